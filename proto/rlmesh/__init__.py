@@ -1,0 +1,1 @@
+"""rlmesh wire contracts (package rlmesh.v1)."""

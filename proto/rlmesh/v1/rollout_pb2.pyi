@@ -1,0 +1,140 @@
+from rlmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt",)
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: _common_pb2.PromptGroup
+    def __init__(self, prompt: _Optional[_Union[_common_pb2.PromptGroup, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("sample", "prompt_token_ids")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sample: _common_pb2.Sample
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch", "timeout_seconds")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_epoch: int
+    timeout_seconds: float
+    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class InitWeightTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartWeightUpdateRequest(_message.Message):
+    __slots__ = ("version", "group_epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    group_epoch: int
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ...) -> None: ...
+
+class StartWeightUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("version", "group_epoch", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    group_epoch: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("num_tensors",)
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    num_tensors: int
+    def __init__(self, num_tensors: _Optional[int] = ...) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("version", "group_epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    group_epoch: int
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ...) -> None: ...
+
+class FinishWeightUpdateResponse(_message.Message):
+    __slots__ = ("weights_sha256",)
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    weights_sha256: str
+    def __init__(self, weights_sha256: _Optional[str] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+
+class PauseGenerationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeGenerationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutStatusRequest(_message.Message):
+    __slots__ = ("include_weights_hash",)
+    INCLUDE_WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
+    include_weights_hash: bool
+    def __init__(self, include_weights_hash: _Optional[bool] = ...) -> None: ...
+
+class RolloutStatusResponse(_message.Message):
+    __slots__ = ("generator_id", "version", "paused", "num_inflight_groups", "num_generated_tokens", "num_completed_groups", "weights_sha256", "group_epoch")
+    GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPLETED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    generator_id: str
+    version: int
+    paused: bool
+    num_inflight_groups: int
+    num_generated_tokens: int
+    num_completed_groups: int
+    weights_sha256: str
+    group_epoch: int
+    def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., paused: _Optional[bool] = ..., num_inflight_groups: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_completed_groups: _Optional[int] = ..., weights_sha256: _Optional[str] = ..., group_epoch: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,111 @@
+"""The `rlmesh` command. Parses and validates config before importing anything heavy, so
+`--help` and config errors are instant."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_EXAMPLES = """examples:
+  rlmesh up -c examples/arithmetic_grpo.yaml                 # whole mesh, local processes
+  rlmesh up -c examples/arithmetic_grpo.yaml learner.num_steps=5 algorithm.max_staleness=0
+  rlmesh reward -c run.yaml --port 50052                     # one tier on its own
+  rlmesh config -c examples/arithmetic_grpo.yaml learner.lr=1e-4   # print the resolved config
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="YAML run config (defaults apply when omitted)")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="dotted overrides applied after the file, e.g. learner.lr=1e-4 rollout.max_tokens=32",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlmesh",
+        description="Asynchronous actor-learner mesh for RL post-training of language models.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the whole mesh as local processes (embedded Valkey)")
+    _add_config_args(up)
+    up.add_argument("--run-dir", help="use this run directory instead of a fresh one")
+
+    learner = sub.add_parser("learner", help="run the learner (trainer + controller)")
+    _add_config_args(learner)
+    learner.add_argument("--run-dir", required=True, help="run directory (metrics, checkpoints)")
+    learner.add_argument("--port", type=int, default=None, help="gRPC port (default: from network.learner_address)")
+
+    rollout = sub.add_parser("rollout", help="run a rollout server (vLLM)")
+    _add_config_args(rollout)
+    rollout.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    rollout.add_argument("--generator-id", default=None, help="name in the learner's membership (default: host:port)")
+    rollout.add_argument("--advertise-host", default=None, help="host the learner dials (default: network.host)")
+
+    reward = sub.add_parser("reward", help="run a reward server (environments)")
+    _add_config_args(reward)
+    reward.add_argument("--port", type=int, default=None, help="gRPC port (default: from network.reward_address)")
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning (masked NLL on assistant tokens)")
+    _add_config_args(sft)
+    sft.add_argument("--output", required=True, help="directory for the resulting HF model")
+
+    tiny = sub.add_parser("tiny-model", help="write a tiny random-initialised HF model + tokenizer")
+    _add_config_args(tiny)
+    tiny.add_argument("--output", required=True, help="directory to write")
+
+    cfg = sub.add_parser("config", help="validate a config and print it resolved")
+    _add_config_args(cfg)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from services.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"rlmesh {args.command}: {err}", file=sys.stderr)
+        return 2
+
+    if args.command == "config":
+        import yaml
+
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    if args.command == "up":
+        from services.launcher import run_up
+
+        return run_up(config, args)
+    if args.command == "reward":
+        from reward_server.server import main as reward_main
+
+        return reward_main(config, args)
+    if args.command == "rollout":
+        from rollout_server.server import main as rollout_main
+
+        return rollout_main(config, args)
+    if args.command == "learner":
+        from learner.driver import main as learner_main
+
+        return learner_main(config, args)
+    if args.command == "sft":
+        from learner.sft import main as sft_main
+
+        return sft_main(config, args)
+    if args.command == "tiny-model":
+        from learner.tiny_model import write_tiny_model
+
+        write_tiny_model(config.model, args.output, seed=config.run.seed)
+        print(args.output)
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""The run config: one pydantic model with a section per tier, loaded from YAML plus dotted
+command-line overrides (`learner.lr=1e-6`). Imports neither torch nor vLLM."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = "rlmesh"
+    """Human name of the run; the run directory is `<output_dir>/<name>-<timestamp>`."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 0
+    """Seed for data generation, model init and sampling."""
+
+
+class TinyModelSection(Section):
+    type: Literal["tiny"] = "tiny"
+    """Write a tiny random-initialised model (real architecture, real tokenizer) into the run dir."""
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """HF architecture of the tiny model."""
+    hidden_size: int = Field(128, gt=0)
+    """Model width."""
+    num_layers: int = Field(2, gt=0)
+    """Number of decoder layers."""
+    num_heads: int = Field(2, gt=0)
+    """Attention heads (head_dim = hidden_size / num_heads)."""
+    num_kv_heads: int = Field(1, gt=0)
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = Field(256, gt=0)
+    """MLP width."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelSection:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model: hidden_size={self.hidden_size} must be divisible by num_heads="
+                f"{self.num_heads}, and num_heads by num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
+class HFModelSection(Section):
+    type: Literal["hf"] = "hf"
+    """Load an existing Hugging Face model."""
+    path: str
+    """Local directory (or hub name, where a hub is reachable) of the model."""
+
+
+ModelSection = Annotated[Union[TinyModelSection, HFModelSection], Field(discriminator="type")]
+
+
+class ArithmeticDataSection(Section):
+    type: Literal["arithmetic"] = "arithmetic"
+    """Generated arithmetic problems ("What is 3+4?") with exact answers."""
+    num_train: int = Field(2000, gt=0)
+    """Training prompts."""
+    num_eval: int = Field(200, gt=0)
+    """Held-out prompts (disjoint from training)."""
+    max_operand: int = Field(9, ge=1)
+    """Operands are drawn from [0, max_operand]."""
+    ops: list[Literal["+", "-", "*"]] = ["+"]
+    """Operators to draw from."""
+
+
+class JsonlDataSection(Section):
+    type: Literal["jsonl"] = "jsonl"
+    """Prompts from JSONL files: one object per line with a prompt and an answer."""
+    train_path: str
+    """Training prompts."""
+    eval_path: str
+    """Held-out prompts."""
+    prompt_key: str = "prompt"
+    """Field holding the user prompt."""
+    answer_key: str = "answer"
+    """Field holding the reference answer (passed to the environment as metadata)."""
+    env_name: str = "arithmetic"
+    """Environment that scores these prompts."""
+
+
+DataSection = Annotated[
+    Union[ArithmeticDataSection, JsonlDataSection], Field(discriminator="type")
+]
+
+
+class RolloutSection(Section):
+    num_servers: int = Field(1, ge=1)
+    """Rollout servers `rlmesh up` starts."""
+    max_concurrent_groups: int = Field(64, ge=1)
+    """Prompt groups one server generates at once (vLLM batches them)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    max_tokens: int = Field(16, ge=1)
+    """Completion length cap."""
+    max_model_len: int = Field(256, ge=16)
+    """vLLM context length."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """vLLM weights dtype (float32 keeps CPU logprobs close to the learner's)."""
+    enforce_eager: bool = True
+    """Skip torch.compile / graphs (much faster start-up on CPU)."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_threads: int = Field(1, ge=1)
+    """Threads vLLM's CPU worker uses; leave cores for the learner and the other services."""
+
+
+class RewardSection(Section):
+    functions: dict[str, str] = {}
+    """Extra single-turn environments: name -> `module:function(prompt, completion, metadata)`."""
+    remote: dict[str, str] = {}
+    """Remote environment servers to proxy: name -> host:port."""
+    score_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one batched Score call."""
+
+
+class FSDP2BackendSection(Section):
+    type: Literal["fsdp2"] = "fsdp2"
+    """PyTorch FSDP2 (`fully_shard`) over an HF model; gloo on CPU, NCCL on GPU."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the sharded parameters."""
+
+
+BackendSection = FSDP2BackendSection
+
+
+class LearnerSection(Section):
+    backend: BackendSection = FSDP2BackendSection()
+    """Training backend (`type: fsdp2`; Megatron-core is not wired in yet)."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm."""
+    num_steps: int = Field(40, ge=1)
+    """Optimizer steps of RL (each bumps the policy version)."""
+    groups_per_step: int = Field(16, ge=1)
+    """Prompt groups consumed per optimizer step."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on held-out prompts every N steps (0: only before and after)."""
+    torch_threads: int = Field(1, ge=1)
+    """torch intra-op threads of the learner process."""
+
+
+class SFTSection(Section):
+    num_steps: int = Field(0, ge=0)
+    """Supervised warm-start steps before RL (0: none)."""
+    batch_size: int = Field(64, ge=1)
+    """Sequences per SFT step."""
+    lr: float = Field(3e-3, gt=0)
+    """SFT learning rate."""
+    label_noise: float = Field(0.0, ge=0, le=1)
+    """Fraction of SFT targets replaced by a wrong answer, so the warm start leaves room for RL."""
+
+
+class AlgorithmSection(Section):
+    name: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
+    """Policy-gradient family member (sets advantage and loss normalisation)."""
+    group_size: int = Field(8, ge=2)
+    """Completions per prompt (`n`)."""
+    max_staleness: int = Field(1, ge=0)
+    """k: 0 is synchronous on-policy; k >= 1 overlaps generation with training."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO ratio clip below 1."""
+    clip_high: float = Field(0.2, ge=0)
+    """PPO ratio clip above 1 (DAPO's clip-higher raises it)."""
+    tis_cap: float = Field(2.0, ge=1)
+    """Truncated importance sampling cap on pi_old / pi_behaviour."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the reference policy (0: no reference model)."""
+    drop_zero_advantage_groups: bool = False
+    """Skip groups whose rewards are all equal (DAPO dynamic sampling)."""
+
+
+class QueueSection(Section):
+    url: str = "embedded"
+    """`embedded` starts a Valkey server for the run; otherwise any redis:// URL."""
+    prompt_stream: str = "rlmesh:prompts"
+    """Stream of prompt groups (learner -> rollout)."""
+    trajectory_stream: str = "rlmesh:trajectories"
+    """Stream of trajectory groups (rollout -> learner)."""
+    max_len: int = Field(10000, ge=1)
+    """Unacked entries a stream may hold; producers wait beyond it (nothing is trimmed)."""
+    claim_idle_ms: int = Field(60000, ge=100)
+    """Entries pending this long on a dead consumer are claimed by another."""
+
+
+class WeightSyncSection(Section):
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """Broadcast transport: gloo (CPU) or nccl (GPU)."""
+    master_address: str = "127.0.0.1"
+    """Address the learner's rendezvous store binds to, reachable by rollout servers."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Deadline of one broadcast round (rendezvous included)."""
+
+
+class NetworkSection(Section):
+    host: str = "127.0.0.1"
+    """Interface services bind to."""
+    learner_address: str = "127.0.0.1:50051"
+    """Learner control plane."""
+    reward_address: str = "127.0.0.1:50052"
+    """Reward server."""
+    token_env: str = "RLMESH_TOKEN"
+    """Environment variable holding the shared bearer token (unset: no auth)."""
+    token_file: str | None = None
+    """File holding the shared bearer token (takes precedence over token_env)."""
+    rpc_timeout_s: float = Field(30.0, gt=0)
+    """Default deadline of a control-plane call."""
+
+
+class LoggingSection(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of every service."""
+    progress: bool = True
+    """Show a progress bar in `rlmesh up`."""
+
+
+class CheckpointSection(Section):
+    every_n_steps: int = Field(0, ge=0)
+    """Save every N steps (0: only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+
+
+class RunConfig(Section):
+    run: RunSection = RunSection()
+    """Run identity and outputs."""
+    model: ModelSection = TinyModelSection()
+    """Policy model."""
+    data: DataSection = ArithmeticDataSection()
+    """Prompt dataset."""
+    rollout: RolloutSection = RolloutSection()
+    """Rollout servers (vLLM)."""
+    reward: RewardSection = RewardSection()
+    """Reward servers (environments)."""
+    learner: LearnerSection = LearnerSection()
+    """Learner (training)."""
+    sft: SFTSection = SFTSection()
+    """Supervised warm start."""
+    algorithm: AlgorithmSection = AlgorithmSection()
+    """RL algorithm."""
+    queue: QueueSection = QueueSection()
+    """Redis stream queues."""
+    weight_sync: WeightSyncSection = WeightSyncSection()
+    """Learner -> rollout weight broadcast."""
+    network: NetworkSection = NetworkSection()
+    """Addresses and auth."""
+    logging: LoggingSection = LoggingSection()
+    """Logs and progress."""
+    checkpoint: CheckpointSection = CheckpointSection()
+    """Checkpointing."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tags(cls, data: Any) -> Any:
+        # A partial section (`model.hidden_size=64`) keeps the default member of its union.
+        if isinstance(data, dict):
+            for key, tag in (("model", "tiny"), ("data", "arithmetic")):
+                if isinstance(data.get(key), dict):
+                    data[key].setdefault("type", tag)
+        return data
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.learner.groups_per_step * self.algorithm.group_size < 1:
+            raise ValueError("learner.groups_per_step * algorithm.group_size must be >= 1")
+        if self.queue.max_len < (self.algorithm.max_staleness + 1) * self.learner.groups_per_step:
+            raise ValueError(
+                f"queue.max_len={self.queue.max_len} is below the in-flight bound "
+                f"(algorithm.max_staleness + 1) * learner.groups_per_step; raise queue.max_len"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the field and the fix."""
+
+
+def _allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """Field names of the (sub)model at `loc` (pydantic's raw error location), for error messages."""
+    current: Any = model
+    for part in loc:
+        if isinstance(current, list):  # a discriminated union: pydantic puts the tag in loc
+            current = next((m for m in current if m.model_fields["type"].default == part), None)
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        current = _unwrap(field.annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return sorted(current.model_fields)
+    return None
+
+
+def _unwrap(annotation: Any) -> Any:
+    """The model class behind an annotation, or a list of members for a union of models."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return members[0] if len(members) == 1 else members
+    return annotation
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
+        where = ".".join(str(p) for p in loc) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_fields(RunConfig, tuple(e["loc"][:-1]))
+            msg = f"unknown key '{loc[-1]}'" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+        elif "input" in e and e["type"] not in ("missing",):
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  {where}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+_UNION_TAGS = {"tiny", "hf", "arithmetic", "jsonl"}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value (e.g. learner.lr=1e-4)")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r} has an empty key segment")
+    return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (if given), apply overrides, validate. Raises ConfigError with a readable message."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = loaded or {}
+    apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def dump_config(config: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
