@@ -111,10 +111,10 @@ class RolloutSection(Section):
     """vLLM weights dtype (float32 keeps CPU logprobs close to the learner's)."""
     enforce_eager: bool = True
     """Skip torch.compile / graphs (much faster start-up on CPU)."""
-    kv_cache_gib: float = Field(1.0, gt=0)
+    kv_cache_gib: int = Field(1, ge=1)
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    cpu_threads: int = Field(1, ge=1)
-    """Threads vLLM's CPU worker uses; leave cores for the learner and the other services."""
+    cpu_cores: str = "auto"
+    """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND): '0', '0-3' or 'auto'."""
 
 
 class RewardSection(Section):
@@ -201,8 +201,8 @@ class QueueSection(Section):
 
 
 class WeightSyncSection(Section):
-    backend: Literal["gloo", "nccl"] = "gloo"
-    """Broadcast transport: gloo (CPU) or nccl (GPU)."""
+    backend: Literal["gloo"] = "gloo"
+    """Broadcast transport (gloo; the NCCL path for GPU hosts is not wired in yet)."""
     master_address: str = "127.0.0.1"
     """Address the learner's rendezvous store binds to, reachable by rollout servers."""
     timeout_s: float = Field(120.0, gt=0)

@@ -1,1 +1,1 @@
-"""."""
+"""Built-in environments."""

@@ -1,0 +1,62 @@
+"""Packing token sequences into padded tensors for the training backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sequence:
+    """One training sequence: prompt + completion tokens and per-completion-token data."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[bool]
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    advantage: float = 0.0
+    group_key: str = ""
+
+
+@dataclass
+class MicroBatch:
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    # Aligned with targets input_ids[:, 1:]; shape [B, T-1].
+    loss_mask_BT: torch.Tensor
+    behaviour_logprobs_BT: torch.Tensor
+    advantages_B: torch.Tensor
+    old_logprobs_BT: torch.Tensor | None = None
+    # Normaliser shared by every micro-batch of a step (tokens or sequences in the whole step).
+    num_loss_tokens_in_step: float = 1.0
+    num_seqs_in_step: float = 1.0
+
+
+def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
+    max_len = max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+    b = len(seqs)
+    input_ids = torch.full((b, max_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, max_len), dtype=torch.long)
+    loss_mask = torch.zeros((b, max_len - 1), dtype=torch.float32)
+    behaviour = torch.zeros((b, max_len - 1), dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        ids = s.prompt_ids + s.completion_ids
+        n_p, n_c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        # Target position t predicts token t+1: completion token j sits at target n_p - 1 + j.
+        loss_mask[i, n_p - 1 : n_p - 1 + n_c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        if s.behaviour_logprobs:
+            behaviour[i, n_p - 1 : n_p - 1 + n_c] = torch.tensor(s.behaviour_logprobs)
+    advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
+    return MicroBatch(input_ids, attention, loss_mask, behaviour, advantages)
+
+
+def split_micro_batches(seqs: list[Sequence], size: int, pad_id: int) -> list[MicroBatch]:
+    micros = [pack(seqs[i : i + size], pad_id) for i in range(0, len(seqs), size)]
+    num_tokens = float(sum(m.loss_mask_BT.sum().item() for m in micros)) or 1.0
+    for m in micros:
+        m.num_loss_tokens_in_step = num_tokens
+        m.num_seqs_in_step = float(len(seqs))
+    return micros

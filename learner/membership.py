@@ -1,0 +1,90 @@
+"""Generator membership (register / heartbeat / expire) and the LearnerService servicer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from rlmesh.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from services.grpc_client import make_channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generator:
+    generator_id: str
+    address: str
+    num_workers: int
+    channel: grpc.aio.Channel
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    version: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    in_group: bool = False
+    rank_offset: int = 0
+
+
+class Membership:
+    """Rollout servers known to the learner. Any change marks the broadcast group for rebuild."""
+
+    def __init__(self, *, token: str | None, rpc_timeout_s: float, expire_after_s: float = 20.0) -> None:
+        self.generators: dict[str, Generator] = {}
+        self.changed = True
+        self._token, self._rpc_timeout_s, self._expire_after_s = token, rpc_timeout_s, expire_after_s
+
+    def register(self, generator_id: str, address: str, num_workers: int) -> Generator:
+        old = self.generators.pop(generator_id, None)
+        if old is not None:
+            log.info("generator %s re-registered", generator_id)
+        channel = make_channel(address, token=self._token, default_timeout_s=self._rpc_timeout_s)
+        gen = Generator(generator_id, address, max(num_workers, 1), channel, rollout_pb2_grpc.RolloutServiceStub(channel))
+        self.generators[generator_id] = gen
+        self.changed = True
+        log.info("generator %s joined from %s (%d worker(s)); it enters the broadcast group at the next update",
+                 generator_id, address, gen.num_workers)
+        return gen
+
+    def remove(self, generator_id: str, why: str) -> None:
+        if self.generators.pop(generator_id, None) is not None:
+            self.changed = True
+            log.warning("generator %s left: %s", generator_id, why)
+
+    def heartbeat(self, generator_id: str, version: int) -> bool:
+        gen = self.generators.get(generator_id)
+        if gen is None:
+            return False
+        gen.last_seen, gen.version = time.monotonic(), version
+        return True
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for gen in list(self.generators.values()):
+            if now - gen.last_seen > self._expire_after_s:
+                self.remove(gen.generator_id, f"no heartbeat for {now - gen.last_seen:.0f}s")
+
+
+class LearnerService(learner_pb2_grpc.LearnerServiceServicer):
+    def __init__(self, membership: Membership, run_id: str, status: Callable[[], learner_pb2.LearnerStatusResponse],
+                 version: Callable[[], int]) -> None:
+        self.membership, self.run_id, self._status, self._version = membership, run_id, status, version
+
+    async def RegisterGenerator(self, request, context):
+        if not request.generator_id or not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RegisterGenerator needs generator_id and address")
+        self.membership.register(request.generator_id, request.address, request.num_workers)
+        return learner_pb2.RegisterGeneratorResponse(run_id=self.run_id, version=self._version())
+
+    async def Deregister(self, request, context):
+        self.membership.remove(request.generator_id, "deregistered")
+        return learner_pb2.DeregisterResponse()
+
+    async def Heartbeat(self, request, context):
+        known = self.membership.heartbeat(request.generator_id, request.version)
+        return learner_pb2.HeartbeatResponse(version=self._version(), registered=known)
+
+    async def GetStatus(self, request, context):
+        return self._status()

@@ -1,0 +1,38 @@
+"""`rlmesh reward`: serve RewardService."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import uvloop
+
+from reward_server.service import RewardService
+from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+from services.auth import TLSFiles, load_token
+from services.config import RunConfig
+from services.grpc_server import start_server
+from services.telemetry import setup_logging
+
+SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+
+
+async def serve(config: RunConfig, port: int) -> None:
+    log = setup_logging("reward", config.logging.level)
+    token = load_token(config.network.token_file, config.network.token_env)
+    service = RewardService(config.reward.functions, token=token, remote_timeout_s=config.reward.score_timeout_s)
+    for name, address in config.reward.remote.items():
+        service.register_remote(name, address)
+    server = await start_server(
+        [(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
+        host=config.network.host, port=port, token=token, tls=TLSFiles.from_env(),
+    )
+    log.info("reward server on port %d; environments: %s", server.port,
+             ", ".join(e.name for e in service.environments()))
+    await server.serve_forever(grace_s=5.0)
+
+
+def main(config: RunConfig, args: argparse.Namespace) -> int:
+    port = args.port if args.port is not None else int(config.network.reward_address.rsplit(":", 1)[1])
+    uvloop.run(serve(config, port))
+    return 0

@@ -1,0 +1,150 @@
+"""vLLM AsyncLLM wrapper: samples `n` completions for a prompt group with token ids, sampled-token
+logprobs and the policy versions each sample spans, and applies in-place weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from rlmesh.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from services.config import RolloutSection
+
+log = logging.getLogger(__name__)
+
+
+def configure_vllm_env(cfg: RolloutSection) -> None:
+    """vLLM-CPU reads these at engine start-up."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.cpu_cores)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class VLLMGenerator:
+    def __init__(self, model_path: str, cfg: RolloutSection, seed: int, weight_backend: str) -> None:
+        self.model_path, self.cfg, self.seed, self.weight_backend = model_path, cfg, seed, weight_backend
+        self.version = 0
+        self.group_epoch = -1
+        self.paused = False
+        self.num_generated_tokens = 0
+        self.engine = None
+        self.tokenizer = None
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        configure_vllm_env(self.cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype=self.cfg.dtype,
+            enforce_eager=self.cfg.enforce_eager,
+            max_model_len=self.cfg.max_model_len,
+            seed=self.seed,
+            # Prefix blocks computed under old weights must not be reused after an update.
+            enable_prefix_caching=False,
+            # Logprobs of the distribution actually sampled from (after temperature / top-p).
+            logprobs_mode="processed_logprobs",
+            weight_transfer_config={"backend": self.weight_backend},
+            disable_log_stats=True,
+        )
+        t0 = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(args)
+        log.info("vLLM engine ready in %.1fs (model %s)", time.monotonic() - t0, self.model_path)
+
+    def prompt_token_ids(self, group: common_pb2.PromptGroup) -> list[int]:
+        if group.messages and group.prompt_tokens.token_ids:
+            raise ValueError(f"group {group.group_id}: set either messages or prompt_tokens, not both")
+        if group.prompt_tokens.token_ids:
+            return list(group.prompt_tokens.token_ids)
+        if not group.messages:
+            raise ValueError(f"group {group.group_id}: has neither messages nor prompt_tokens")
+        messages = [{"role": m.role, "content": m.content} for m in group.messages]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def sampling_params(self, group: common_pb2.PromptGroup, index: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        o = group.sampling
+        seed = o.seed + index if o.HasField("seed") else None
+        return SamplingParams(
+            n=1,
+            temperature=o.temperature if o.HasField("temperature") else self.cfg.temperature,
+            top_p=o.top_p if o.HasField("top_p") else self.cfg.top_p,
+            top_k=o.top_k if o.HasField("top_k") else 0,
+            max_tokens=o.max_tokens if o.HasField("max_tokens") else self.cfg.max_tokens,
+            stop=list(o.stop) or None,
+            seed=seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def sample(self, group: common_pb2.PromptGroup, prompt_ids: list[int], index: int) -> common_pb2.Sample:
+        params = self.sampling_params(group, index)
+        min_version = self.version
+        final = None
+        request_id = f"{group.group_id}-{index}-{uuid.uuid4().hex[:8]}"
+        async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            final = out
+        completion = final.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs or [])]
+        self.num_generated_tokens += len(token_ids)
+        return common_pb2.Sample(
+            index=index,
+            completion=common_pb2.TokenSequence(token_ids=token_ids, loss_mask=[True] * len(token_ids)),
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason or "",
+            min_version=min_version,
+            max_version=self.version,
+            text=completion.text,
+            num_turns=1,
+        )
+
+    async def generate_group(self, group: common_pb2.PromptGroup) -> tuple[list[int], list[common_pb2.Sample]]:
+        if group.n < 1:
+            raise ValueError(f"group {group.group_id}: n={group.n} must be >= 1")
+        prompt_ids = self.prompt_token_ids(group)
+        samples = await asyncio.gather(*(self.sample(group, prompt_ids, i) for i in range(group.n)))
+        return prompt_ids, list(samples)
+
+    # --- weight-transfer control plane (mirrors vLLM's) --------------------------------------
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        self.group_epoch = init_info["group_epoch"]
+
+    async def start_weight_update(self) -> None:
+        await self.engine.start_weight_update()
+
+    async def update_weights(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self.engine.finish_weight_update(weight_version=str(version))
+        self.version = version
+
+    async def pause(self, mode: str) -> None:
+        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        self.paused = True
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+        self.paused = False
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -1,0 +1,122 @@
+"""`rlmesh rollout`: a vLLM rollout server. Wires the generator, the queue worker, the gRPC
+servicer and membership with the learner (register, heartbeat, re-register)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+import uvloop
+
+from rlmesh.v1 import learner_pb2, learner_pb2_grpc, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rollout_server.generator import VLLMGenerator
+from rollout_server.service import RolloutService
+from rollout_server.worker import RolloutWorker
+from services.auth import TLSFiles, load_token
+from services.config import HFModelSection, RunConfig
+from services.grpc_client import make_channel
+from services.grpc_server import start_server
+from services.queue import StreamQueue, connect
+from services.telemetry import setup_logging
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+WEIGHT_ENGINE = "rlmesh_gloo"
+HEARTBEAT_S = 2.0
+
+
+def model_path(config: RunConfig) -> str:
+    if not isinstance(config.model, HFModelSection):
+        raise ValueError("the rollout server needs model.type=hf with model.path; `rlmesh up` prepares the "
+                         "tiny model and passes its path (or run `rlmesh tiny-model --output DIR` first)")
+    return config.model.path
+
+
+async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_id: str, address: str,
+                          worker: RolloutWorker, generator: VLLMGenerator, log: logging.Logger) -> None:
+    registered, delay = False, 0.5
+    while True:
+        try:
+            if not registered:
+                reply = await stub.RegisterGenerator(learner_pb2.RegisterGeneratorRequest(
+                    generator_id=generator_id, address=address, num_workers=1))
+                registered = True
+                if reply.version == generator.version:
+                    worker.ready.set()  # both loaded the same initial weights
+                    log.info("registered with learner as %s at version %d; serving prompts", generator_id, reply.version)
+                else:
+                    log.info("registered as %s; learner is at version %d, waiting for its weights",
+                             generator_id, reply.version)
+            else:
+                hb = await stub.Heartbeat(learner_pb2.HeartbeatRequest(
+                    generator_id=generator_id, version=generator.version, num_inflight_groups=worker.num_inflight))
+                if not hb.registered:
+                    log.warning("learner no longer knows %s; registering again", generator_id)
+                    registered = False
+                    continue
+            delay = 0.5
+            await asyncio.sleep(HEARTBEAT_S)
+        except grpc.aio.AioRpcError as err:
+            log.warning("learner unreachable (%s: %s); retrying in %.1fs", err.code().name, err.details(), delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+async def serve(config: RunConfig, args: argparse.Namespace) -> None:
+    log = setup_logging("rollout", config.logging.level)
+    token = load_token(config.network.token_file, config.network.token_env)
+    tls = TLSFiles.from_env()
+    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, WEIGHT_ENGINE)
+    await generator.start()
+
+    redis = connect(config.queue.url)
+    prompts = StreamQueue(redis, config.queue.prompt_stream, group="rollout", max_len=config.queue.max_len,
+                          claim_idle_ms=config.queue.claim_idle_ms)
+    trajectories = StreamQueue(redis, config.queue.trajectory_stream, group="learner",
+                               max_len=config.queue.max_len, claim_idle_ms=config.queue.claim_idle_ms)
+    reward_channel = make_channel(config.network.reward_address, token=token, tls=tls,
+                                  default_timeout_s=config.reward.score_timeout_s)
+    worker = RolloutWorker(generator, prompts, trajectories, reward_pb2_grpc.RewardServiceStub(reward_channel),
+                           consumer="pending", max_concurrent_groups=config.rollout.max_concurrent_groups,
+                           score_timeout_s=config.reward.score_timeout_s)
+    service = RolloutService(generator, "pending", worker, on_weights=lambda version: worker.ready.set())
+    server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],
+                                host=config.network.host, port=args.port, token=token, tls=tls)
+    address = f"{args.advertise_host or config.network.host}:{server.port}"
+    generator_id = args.generator_id or address
+    worker.consumer = service.generator_id = generator_id
+    log.info("rollout server %s on port %d", generator_id, server.port)
+
+    learner_channel = make_channel(config.network.learner_address, token=token, tls=tls,
+                                   default_timeout_s=config.network.rpc_timeout_s)
+    learner = learner_pb2_grpc.LearnerServiceStub(learner_channel)
+    tasks = [
+        asyncio.create_task(worker.run(), name="queue-worker"),
+        asyncio.create_task(keep_membership(learner, generator_id, address, worker, generator, log), name="membership"),
+    ]
+
+    async def on_stop() -> None:
+        try:
+            await learner.Deregister(learner_pb2.DeregisterRequest(generator_id=generator_id), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            pass  # the learner may already be gone
+        for t in tasks:
+            t.cancel()
+        await worker.stop()
+
+    serving = asyncio.create_task(server.serve_forever(grace_s=5.0, on_stop=on_stop))
+    # A background task that dies takes the server down with its error, never silently.
+    done, _ = await asyncio.wait([serving, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for t in done:
+        if t is not serving and not t.cancelled() and t.exception() is not None:
+            log.error("background task %s failed", t.get_name(), exc_info=t.exception())
+            await server.stop(1.0)
+            generator.shutdown()
+            raise t.exception()
+    generator.shutdown()
+
+
+def main(config: RunConfig, args: argparse.Namespace) -> int:
+    uvloop.run(serve(config, args))
+    return 0

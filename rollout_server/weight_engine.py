@@ -1,0 +1,107 @@
+"""vLLM worker-side weight-transfer engine for CPU: receives the learner's gloo broadcast and
+loads it in place with vLLM's layerwise reload. Registered as backend "rlmesh_gloo" through the
+`vllm.general_plugins` entry point, so it exists in every process vLLM spawns."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "rlmesh_gloo"
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_epoch: int
+    timeout_seconds: float = 120.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    # Publish a digest of the received bytes in the rendezvous store for the learner to check.
+    verify: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._group = None
+        self._store = None
+        self._rank = -1
+        self._epoch = -1
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        from services.weight_sync import store_and_group
+
+        self.shutdown()
+        # One inference worker per tensor-parallel rank; the learner is rank 0.
+        self._rank = init_info.rank_offset + self.parallel_config.rank
+        self._store, self._group = store_and_group(
+            init_info.master_address, init_info.master_port, self._rank, init_info.world_size,
+            init_info.group_epoch, init_info.timeout_seconds,
+        )
+        self._epoch = init_info.group_epoch
+        log.info("joined weight broadcast group epoch %d as rank %d/%d", self._epoch, self._rank, init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronises an accelerator; on CPU the loads below are already done.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        from services.weight_sync import TensorMeta, receive
+
+        if self._group is None:
+            raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
+        metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
+        digest = hashlib.sha256() if update_info.verify else None
+        for name, tensor in receive(self._group, metas, digest):
+            self.model.load_weights([(name, tensor)])
+        if digest is not None:
+            self._store.set(f"rlmesh/epoch{self._epoch}/digest/v{update_info.version}/rank{self._rank}", digest.hexdigest())
+
+    def shutdown(self) -> None:
+        self._group = None
+        self._store = None
+
+
+def register() -> None:
+    """vLLM general-plugin hook (runs once per process; registering twice is harmless)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, GlooWeightTransferEngine)

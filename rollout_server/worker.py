@@ -1,0 +1,122 @@
+"""The rollout server's queue loop: prompt groups in, scored trajectory groups out.
+
+A prompt entry is acked only after its trajectory group is in the trajectory stream; entries a
+dead server left pending are claimed after `queue.claim_idle_ms`. Prompts that cannot be parsed go
+to a dead-letter stream with the reason (never silently dropped)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from rollout_server.generator import VLLMGenerator
+from services.queue import Entry, StreamQueue
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    def __init__(self, generator: VLLMGenerator, prompts: StreamQueue, trajectories: StreamQueue,
+                 reward: reward_pb2_grpc.RewardServiceStub, *, consumer: str, max_concurrent_groups: int,
+                 score_timeout_s: float) -> None:
+        self.generator, self.prompts, self.trajectories, self.reward = generator, prompts, trajectories, reward
+        self.consumer = consumer
+        self.slots = asyncio.Semaphore(max_concurrent_groups)
+        self.max_concurrent_groups = max_concurrent_groups
+        self.score_timeout_s = score_timeout_s
+        self.ready = asyncio.Event()  # set once this server holds the learner's current weights
+        self.num_inflight = 0
+        self.num_completed = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        await self.prompts.ensure_group()
+        await self.trajectories.ensure_group()
+        last_claim = 0.0
+        while True:
+            await self.ready.wait()
+            free = self.max_concurrent_groups - self.num_inflight
+            if free <= 0:
+                await asyncio.sleep(0.01)
+                continue
+            entries: list[Entry] = []
+            if time.monotonic() - last_claim > self.prompts.claim_idle_ms / 2000:
+                entries = await self.prompts.claim_stale(self.consumer, count=free)
+                if entries:
+                    log.warning("claimed %d prompt groups left pending by a dead rollout server", len(entries))
+                last_claim = time.monotonic()
+            if not entries:
+                entries = await self.prompts.read(self.consumer, count=free, block_ms=200)
+            for entry in entries:
+                self.num_inflight += 1
+                task = asyncio.create_task(self._handle(entry))
+                self._tasks.add(task)
+                task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self.num_inflight -= 1
+        if not task.cancelled() and task.exception() is not None:
+            # Unexpected failures leave the entry pending (claimed later); surface them loudly.
+            log.error("prompt group failed: %r", task.exception())
+
+    async def _handle(self, entry: Entry) -> None:
+        try:
+            group = common_pb2.PromptGroup.FromString(entry.data)
+        except DecodeError as err:
+            await self._dead_letter(entry, f"undecodable PromptGroup: {err}")
+            return
+        t0 = time.monotonic()
+        try:
+            prompt_ids, samples = await self.generator.generate_group(group)
+        except ValueError as err:
+            await self._dead_letter(entry, str(err))
+            return
+        await self._score(group, samples)
+        trajectory = common_pb2.TrajectoryGroup(
+            group_id=group.group_id, run_id=group.run_id, prompt=group, prompt_token_ids=prompt_ids,
+            samples=samples, generator_id=self.consumer, generation_seconds=time.monotonic() - t0,
+        )
+        await self.trajectories.publish(group.group_id, trajectory.SerializeToString())
+        await self.prompts.ack(entry.id)
+        self.num_completed += 1
+
+    async def _score(self, group: common_pb2.PromptGroup, samples: list[common_pb2.Sample]) -> None:
+        request = reward_pb2.ScoreRequest(items=[
+            reward_pb2.ScoreItem(id=str(s.index), env_name=group.env_name, prompt=group.messages,
+                                 completion=s.text, completion_token_ids=s.completion.token_ids,
+                                 env_metadata=group.env_metadata)
+            for s in samples
+        ])
+        delay = 0.5
+        while True:
+            try:
+                reply = await self.reward.Score(request, timeout=self.score_timeout_s)
+                break
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                log.warning("reward server unreachable (%s); retrying group %s in %.1fs",
+                            err.code().name, group.group_id, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        for sample, result in zip(samples, reply.results):
+            sample.reward = result.reward
+            sample.reward_components.update(result.components)
+            if result.error:
+                sample.error = result.error
+
+    async def _dead_letter(self, entry: Entry, reason: str) -> None:
+        log.error("prompt entry %s (key %s) rejected: %s", entry.id, entry.key, reason)
+        await self.prompts.client.xadd(f"{self.prompts.stream}:dead", {"key": entry.key, "data": entry.data,
+                                                                         "reason": reason})
+        await self.prompts.ack(entry.id)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()

@@ -1,0 +1,205 @@
+"""`rlmesh up`: the whole mesh as local processes. Starts an embedded Valkey (unless queue.url
+names a server), prepares the model (tiny model + SFT warm start when configured), then the
+reward server, rollout server(s) and the learner on free ports; waits for health; shows progress;
+stops every process on success, Ctrl-C or any service's failure, and says which one failed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.config import RunConfig, dump_config
+
+log = logging.getLogger("rlmesh.up")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class Mesh:
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        self.config, self.run_dir = config, run_dir
+        self.services: list[Service] = []
+        self.valkey = None
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Service:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        out = log_path.open("ab")
+        # Own session: stopping the service's process group also stops its children (vLLM's engine).
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, **(env or {})}, cwd=os.getcwd())
+        svc = Service(name, proc, log_path)
+        self.services.append(svc)
+        log.info("started %s (pid %d), log: %s", name, proc.pid, log_path)
+        return svc
+
+    def failed(self) -> Service | None:
+        for svc in self.services:
+            if svc.proc.poll() not in (None, 0):
+                return svc
+        return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for svc in reversed(self.services):
+            if svc.proc.poll() is None:
+                _signal_group(svc.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for svc in self.services:
+            try:
+                svc.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", svc.name, grace_s)
+        # Whatever is left in any service's process group (stragglers, engine children) is killed.
+        for svc in self.services:
+            _signal_group(svc.proc, signal.SIGKILL)
+            try:
+                svc.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.valkey is not None:
+            self.valkey.stop()
+            self.valkey = None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_up(config: RunConfig, args: argparse.Namespace) -> int:
+    from services.telemetry import setup_logging
+
+    setup_logging("up", config.logging.level)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir.resolve()
+    dump_config(config, run_dir / "config.yaml")
+    print(f"rlmesh up: run directory {run_dir}", flush=True)
+    mesh = Mesh(config, run_dir)
+    interrupted = False
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return _run(mesh, config, run_dir)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\nrlmesh up: interrupted; stopping every service", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        mesh.stop()
+        if not interrupted:
+            print(f"rlmesh up: all services stopped; outputs in {run_dir}", flush=True)
+
+
+def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
+    from services.config import HFModelSection
+
+    resolved = config.model_copy(deep=True)
+    if config.queue.url == "embedded":
+        from services.valkey import start_embedded_valkey
+
+        mesh.valkey = start_embedded_valkey(run_dir / "valkey")
+        resolved.queue.url = mesh.valkey.connection_url
+
+    # Model preparation (tiny model, SFT warm start) happens once, before any service loads it.
+    if config.model.type == "tiny" or config.sft.num_steps > 0:
+        model_dir = run_dir / "sft_model" if config.sft.num_steps > 0 else run_dir / "init_model"
+        cmd = "sft" if config.sft.num_steps > 0 else "tiny-model"
+        print(f"rlmesh up: preparing the policy ({cmd} -> {model_dir.name})", flush=True)
+        prep = mesh.spawn(cmd, [cmd, "-c", str(run_dir / "config.yaml"), "--output", str(model_dir)])
+        if prep.proc.wait() != 0:
+            raise SystemExit(f"rlmesh up: {cmd} failed (exit {prep.proc.returncode}); last lines of {prep.log_path}:\n{prep.tail()}")
+        resolved.model = HFModelSection(path=str(model_dir))
+
+    learner_port, reward_port = free_port(), free_port()
+    host = config.network.host
+    resolved.network.learner_address = f"{host}:{learner_port}"
+    resolved.network.reward_address = f"{host}:{reward_port}"
+    resolved_path = run_dir / "config.resolved.yaml"
+    dump_config(resolved, resolved_path)
+    base = ["-c", str(resolved_path)]
+
+    mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
+    learner = mesh.spawn("learner", ["learner", *base, "--run-dir", str(run_dir), "--port", str(learner_port)])
+    for i in range(config.rollout.num_servers):
+        mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}"])
+
+    from services.grpc_client import wait_for_serving
+
+    for name, port in (("reward", reward_port), ("learner", learner_port)):
+        asyncio.run(wait_for_serving(f"{host}:{port}", what=f"{name} server", timeout_s=300))
+    print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
+    return _watch(mesh, learner, config, run_dir)
+
+
+def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> int:
+    from tqdm import tqdm
+
+    from learner.metrics import read_metrics
+
+    bar = tqdm(total=config.learner.num_steps, desc="GRPO", unit="step", disable=not config.logging.progress,
+               dynamic_ncols=True)
+    seen = 0
+    while True:
+        bad = mesh.failed()
+        if bad is not None:
+            bar.close()
+            print(f"\nrlmesh up: service '{bad.name}' exited with code {bad.proc.returncode}. "
+                  f"Last lines of {bad.log_path}:\n{bad.tail()}", file=sys.stderr, flush=True)
+            return 1
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        for r in rows[seen:]:
+            if r.get("kind") == "train":
+                bar.update(1)
+                bar.set_postfix(reward=f"{r['reward_mean']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
+                                stale=r["staleness_max"])
+            elif r.get("kind") == "eval":
+                tqdm.write(f"held-out accuracy at version {r['version']}: {r['accuracy']:.3f}")
+        seen = len(rows)
+        if learner.proc.poll() == 0:
+            bar.close()
+            summary_path = run_dir / "summary.json"
+            summary = json.loads(summary_path.read_text())
+            before, after = summary["held_out_accuracy_before"], summary["held_out_accuracy_after"]
+            print(f"\nheld-out accuracy: before {before:.3f} -> after {after:.3f} ({(after - before) * 100:+.1f} points)")
+            print(f"staleness: max seen {summary['max_staleness_seen']} (bound {summary['max_staleness']}), "
+                  f"dropped stale groups: {summary['num_dropped_stale']}")
+            same = summary["last_weights_sha256"] == summary["learner_weights_sha256"]
+            print(f"weights: {summary['weights_verified_versions']} broadcasts verified by digest; rollout weights "
+                  f"{'==' if same else '!='} learner weights (sha256 {summary['learner_weights_sha256'][:16]})")
+            print(f"reward curve: {run_dir / 'reward_curve.png'}")
+            return 0 if same else 1
+        time.sleep(1.0)
