@@ -1,0 +1,37 @@
+"""Shared fixtures: a real embedded Valkey server and a tiny local model, each built once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def valkey_url():
+    from services.valkey import start_embedded_valkey
+
+    server = start_embedded_valkey()
+    yield server.connection_url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from learner.tiny_model import write_tiny_model
+    from services.config import TinyModelSection
+
+    return write_tiny_model(TinyModelSection(), tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def rlmesh_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}

@@ -1,0 +1,96 @@
+"""Redis-stream queues against a real Valkey server."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from services.queue import QueueFullError, StreamQueue, connect
+
+pytestmark = pytest.mark.integration
+
+HOLDER = """
+import asyncio, sys
+from services.queue import StreamQueue, connect
+async def main(url, stream, count):
+    q = StreamQueue(connect(url), stream, max_len=100000, claim_idle_ms=300)
+    held = await q.read("doomed", count=int(count), block_ms=5000)
+    print(len(held), flush=True)
+    await asyncio.sleep(3600)  # holds the entries, never acks: killed by the test
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def _queue(url, stream, **kw):
+    return StreamQueue(connect(url), stream, **kw)
+
+
+async def test_entries_of_a_killed_consumer_are_claimed_and_acked_exactly_once(valkey_url):
+    stream = f"test:{uuid.uuid4().hex}"
+    q = _queue(valkey_url, stream, max_len=100000, claim_idle_ms=300)
+    await q.ensure_group()
+    keys = [f"group-{i}" for i in range(200)]
+    for k in keys:
+        assert await q.publish(k, k.encode()) is not None
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, valkey_url, stream, "120"], stdout=subprocess.PIPE,
+                              text=True, cwd=os.getcwd())
+    assert holder.stdout.readline().strip() == "120"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert (await q.depth()).pending == 120
+
+    acked_keys: list[str] = []
+    acks = 0
+    deadline = time.monotonic() + 30
+    while len(acked_keys) < len(keys) and time.monotonic() < deadline:
+        entries = await q.claim_stale("survivor", count=50) or await q.read("survivor", count=50, block_ms=200)
+        for e in entries:
+            acked_keys.append(e.key)
+            acks += await q.ack(e.id)
+    assert sorted(acked_keys) == sorted(keys), "every published group id is processed"
+    assert acks == len(keys), "each one acked exactly once"
+    assert len(set(acked_keys)) == len(acked_keys)
+    depth = await q.depth()
+    assert (depth.length, depth.pending, depth.lag) == (0, 0, 0)
+
+
+async def test_publish_is_idempotent_by_key(valkey_url):
+    q = _queue(valkey_url, f"test:{uuid.uuid4().hex}")
+    await q.ensure_group()
+    assert await q.publish("g1", b"a") is not None
+    assert await q.publish("g1", b"a") is None
+    entries = await q.read("c", count=10, block_ms=100)
+    assert [e.key for e in entries] == ["g1"]
+
+
+async def test_full_stream_applies_backpressure_and_trims_nothing(valkey_url):
+    q = _queue(valkey_url, f"test:{uuid.uuid4().hex}", max_len=3)
+    await q.ensure_group()
+    for i in range(3):
+        await q.publish(f"k{i}", b"x")
+    with pytest.raises(QueueFullError, match="max_len"):
+        await q.publish("k3", b"x", wait_timeout_s=0.3)
+    # A waiting producer goes through as soon as a consumer acks.
+    waiter = asyncio.create_task(q.publish("k3", b"x", wait_timeout_s=10))
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    entry = (await q.read("c", count=1, block_ms=100))[0]
+    await q.ack(entry.id)
+    assert await asyncio.wait_for(waiter, 5) is not None
+    remaining = await q.read("c", count=10, block_ms=100)
+    assert [e.key for e in remaining] == ["k1", "k2", "k3"], "unread entries were never trimmed"
+
+
+async def test_restarted_consumer_replays_its_own_pending(valkey_url):
+    q = _queue(valkey_url, f"test:{uuid.uuid4().hex}")
+    await q.ensure_group()
+    await q.publish("a", b"1")
+    await q.read("learner", count=1, block_ms=100)
+    replay = await q.read_own_pending("learner")
+    assert [e.key for e in replay] == ["a"]

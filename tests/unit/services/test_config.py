@@ -1,0 +1,92 @@
+from pathlib import Path
+
+import pytest
+
+from services.config import ConfigError, RunConfig, dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[3]
+SHIPPED = sorted(REPO.glob("examples/*.yaml")) + sorted(REPO.glob("deploy/**/*.rlmesh.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    config = load_config(path)
+    assert isinstance(config, RunConfig)
+
+
+def test_shipped_configs_exist():
+    assert SHIPPED, "the repo ships at least one example config"
+
+
+def test_dotted_overrides_apply_with_yaml_types():
+    config = load_config(None, ["learner.lr=1e-4", "model.hidden_size=64", "data.ops=[+,-]",
+                                "algorithm.name=rloo", "rollout.enforce_eager=false"])
+    assert config.learner.lr == 1e-4
+    assert config.model.hidden_size == 64 and config.model.type == "tiny"
+    assert config.data.ops == ["+", "-"]
+    assert config.algorithm.name == "rloo"
+    assert config.rollout.enforce_eager is False
+
+
+def test_unknown_key_names_field_and_allowed_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["learner.lrr=1"])
+    assert "learner.lrr" in str(err.value)
+    assert "allowed:" in str(err.value) and "lr" in str(err.value)
+
+
+def test_bad_value_names_field_and_choices():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.name=ppo"])
+    message = str(err.value)
+    assert "algorithm.name" in message and "grpo" in message and "'ppo'" in message
+
+
+def test_cross_field_rule():
+    with pytest.raises(ConfigError, match="queue.max_len"):
+        load_config(None, ["queue.max_len=4", "learner.groups_per_step=16"])
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(None, ["learner.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_union_switch_requires_its_fields():
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(None, ["model.type=hf"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(None, ["learner.num_steps=7"])
+    dump_config(config, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == config
+
+
+def test_every_field_has_a_docstring():
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel]):
+        for name, field in model.model_fields.items():
+            yield model, name, field
+            for sub in _models(field.annotation):
+                yield from walk(sub)
+
+    def _models(annotation):
+        import typing
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return [annotation]
+        return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+    import inspect
+    missing = []
+    for model, name, _ in walk(RunConfig):
+        source = inspect.getsource(model)
+        # Each field line is followed by a one-line docstring.
+        lines = source.splitlines()
+        idx = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:"))
+        if not lines[idx + 1].strip().startswith('"""'):
+            missing.append(f"{model.__name__}.{name}")
+    assert not missing, f"fields without a docstring: {missing}"
