@@ -26,10 +26,11 @@ def prepare_model(config: RunConfig, workdir: Path) -> str:
 
 
 def sft_target(example: Example, rng: random.Random, label_noise: float) -> str:
-    """The assistant turn to imitate; with `label_noise` it is deliberately off by one (a biased
-    habit the demo's RL stage has to unlearn)."""
+    """The assistant turn to imitate. With probability `label_noise` a stray "!" follows the answer
+    ("7!", which the exact-answer checker scores 0): the warm start learns the arithmetic from every
+    example but also a habit of not stopping after the answer, which the demo's RL stage unlearns."""
     if label_noise and rng.random() < label_noise:
-        return str(int(example.answer) + 1)
+        return example.answer + "!"
     return example.answer
 
 

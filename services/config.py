@@ -165,7 +165,7 @@ class SFTSection(Section):
     lr: float = Field(3e-3, gt=0)
     """SFT learning rate."""
     label_noise: float = Field(0.0, ge=0, le=1)
-    """Fraction of SFT targets replaced by a wrong answer, so the warm start leaves room for RL."""
+    """Fraction of SFT targets given a stray trailing "!" (scored wrong), so the warm start leaves room for RL."""
 
 
 class AlgorithmSection(Section):

@@ -1,4 +1,6 @@
-"""Exact-answer arithmetic: the first integer in the completion must equal metadata["answer"]."""
+"""Exact-answer arithmetic: the completion (surrounding whitespace aside) must be exactly the
+integer in metadata["answer"]. `answer_in_text` reports, for diagnosis, whether the first integer
+in the completion was right even when the format was not."""
 
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ class ArithmeticEnvironment:
             expected = int(str(answer).strip())
         except ValueError:
             return ScoreOutput(error=f"metadata.answer={answer!r} is not an integer")
+        # A completion without the right number is wrong, not unscorable: reward 0, trained on.
+        text = item.completion.strip()
+        exact = float(_INT.fullmatch(text) is not None and int(text) == expected)
         match = _INT.search(item.completion)
-        if match is None:
-            # A completion without a number is wrong, not unscorable: reward 0, trained on.
-            return ScoreOutput(reward=0.0, components={"correct": 0.0, "has_answer": 0.0})
-        correct = float(int(match.group()) == expected)
-        return ScoreOutput(reward=correct, components={"correct": correct, "has_answer": 1.0})
+        in_text = float(match is not None and int(match.group()) == expected)
+        return ScoreOutput(reward=exact, components={"exact": exact, "answer_in_text": in_text})

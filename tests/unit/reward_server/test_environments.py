@@ -9,11 +9,13 @@ def _item(completion, **metadata):
     return ScoreInput("0", [{"role": "user", "content": "2+2="}], completion, metadata)
 
 
-def test_arithmetic_scores_first_integer():
+def test_arithmetic_scores_exact_answers():
     env = ArithmeticEnvironment()
-    out = env.score([_item("4", answer="4"), _item(" 5", answer="4"), _item("-3 apples", answer="-3"), _item("", answer="1")])
-    assert [o.reward for o in out] == [1.0, 0.0, 1.0, 0.0]
-    assert out[3].components["has_answer"] == 0.0 and not out[3].error
+    out = env.score([_item("4", answer="4"), _item(" 5", answer="4"), _item("-3 ", answer="-3"),
+                     _item("", answer="1"), _item("4!", answer="4")])
+    assert [o.reward for o in out] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert out[4].components["answer_in_text"] == 1.0, "right number, wrong format"
+    assert not any(o.error for o in out)
 
 
 def test_arithmetic_reports_unscorable_items():
