@@ -29,7 +29,7 @@ class WeightBroadcaster:
     def __init__(self, membership: Membership, cfg: WeightSyncSection) -> None:
         self.membership, self.cfg = membership, cfg
         # One master store for the learner's lifetime; each group epoch uses its own key prefix.
-        self.store = dist.TCPStore(cfg.master_address, 0, 1, is_master=True, wait_for_workers=False,
+        self.store = dist.TCPStore(cfg.master_address, cfg.store_port, 1, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=cfg.timeout_s))
         self.port = self.store.port
         self.epoch = 0

@@ -205,6 +205,8 @@ class WeightSyncSection(Section):
     """Broadcast transport (gloo; the NCCL path for GPU hosts is not wired in yet)."""
     master_address: str = "127.0.0.1"
     """Address the learner's rendezvous store binds to, reachable by rollout servers."""
+    store_port: int = Field(0, ge=0, le=65535)
+    """Port of that store (0: any free port; fix it where a firewall or Service must name it)."""
     timeout_s: float = Field(120.0, gt=0)
     """Deadline of one broadcast round (rendezvous included)."""
 
