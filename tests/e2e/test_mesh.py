@@ -19,6 +19,13 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:
+        return ""
+
+
 class Up:
     """`rlmesh up` in a subprocess, tracking every descendant it ever had."""
 
@@ -66,7 +73,7 @@ class Up:
         for proc in self.seen.values():
             try:
                 if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(f"{proc.pid}: {' '.join(proc.cmdline())[:120]}")
+                    alive.append(f"{proc.pid}: {_cmdline(proc)[:120]}")
             except psutil.NoSuchProcess:
                 pass
         return alive
@@ -120,7 +127,7 @@ def test_a_crashed_service_stops_the_mesh_and_is_named(tmp_path):
     up = Up(tmp_path / "run", "sft.num_steps=0")
     up.wait_for(lambda: "rollout servers loading vLLM" in up.output(), 300, "services to start")
     up.poll_children()
-    reward = [p for p in up.seen.values() if "reward" in " ".join(p.cmdline())]
+    reward = [p for p in up.seen.values() if "reward" in _cmdline(p)]
     assert reward, "reward server process not found"
     reward[0].kill()
     assert up.finish(timeout=60) == 1
