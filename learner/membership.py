@@ -36,12 +36,13 @@ class Membership:
         self.changed = True
         self._token, self._rpc_timeout_s, self._expire_after_s = token, rpc_timeout_s, expire_after_s
 
-    def register(self, generator_id: str, address: str, num_workers: int) -> Generator:
+    def register(self, generator_id: str, address: str, num_workers: int, version: int = 0) -> Generator:
         old = self.generators.pop(generator_id, None)
         if old is not None:
             log.info("generator %s re-registered", generator_id)
         channel = make_channel(address, token=self._token, default_timeout_s=self._rpc_timeout_s)
-        gen = Generator(generator_id, address, max(num_workers, 1), channel, rollout_pb2_grpc.RolloutServiceStub(channel))
+        gen = Generator(generator_id, address, max(num_workers, 1), channel, rollout_pb2_grpc.RolloutServiceStub(channel),
+                        version=version)
         self.generators[generator_id] = gen
         self.changed = True
         log.info("generator %s joined from %s (%d worker(s)); it enters the broadcast group at the next update",
@@ -57,8 +58,13 @@ class Membership:
         gen = self.generators.get(generator_id)
         if gen is None:
             return False
-        gen.last_seen, gen.version = time.monotonic(), version
+        # A heartbeat sent before a broadcast may land after it: never move a version backwards here.
+        gen.last_seen, gen.version = time.monotonic(), max(gen.version, version)
         return True
+
+    def out_of_date(self, version: int) -> list[Generator]:
+        """Generators that hold weights other than `version` (joined late, or outlived a learner restart)."""
+        return [g for g in self.generators.values() if g.version != version]
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -75,7 +81,7 @@ class LearnerService(learner_pb2_grpc.LearnerServiceServicer):
     async def RegisterGenerator(self, request, context):
         if not request.generator_id or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RegisterGenerator needs generator_id and address")
-        self.membership.register(request.generator_id, request.address, request.num_workers)
+        self.membership.register(request.generator_id, request.address, request.num_workers, request.version)
         return learner_pb2.RegisterGeneratorResponse(run_id=self.run_id, version=self._version())
 
     async def Deregister(self, request, context):

@@ -9,8 +9,8 @@ from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "metrics.jsonl"
+    def __init__(self, run_dir: Path, name: str = "metrics.jsonl") -> None:
+        self.path = run_dir / name
         self._f = self.path.open("a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ class VLLMGenerator:
         self.version = 0
         self.group_epoch = -1
         self.paused = False
+        self.update_active = False
         self.num_generated_tokens = 0
         self.engine = None
         self.tokenizer = None
@@ -127,6 +128,7 @@ class VLLMGenerator:
 
     async def start_weight_update(self) -> None:
         await self.engine.start_weight_update()
+        self.update_active = True
 
     async def update_weights(self, update_info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -135,7 +137,32 @@ class VLLMGenerator:
 
     async def finish_weight_update(self, version: int) -> None:
         await self.engine.finish_weight_update(weight_version=str(version))
+        self.update_active = False
         self.version = version
+
+    async def recover_from_lost_learner(self) -> bool:
+        """A learner that died mid-update leaves the engine paused and possibly half-loaded. Close
+        the update (layers that received nothing get their old tensors back), mark the weights as
+        unknown (version -1) so the learner resends them in full, and unpause. True if it did."""
+        if not (self.paused or self.update_active):
+            return False
+        if self.update_active:
+            try:
+                await self.engine.finish_weight_update()
+            except Exception as err:  # the engine may still be unwinding the dead broadcast
+                log.warning("closing the interrupted weight update failed (%s); the next update resets it", err)
+            self.update_active = False
+        self.version = -1
+        if self.paused:
+            await self.resume()
+        return True
+
+    async def init_weight_transfer_fresh(self, init_info: dict) -> None:
+        """Join a (new) broadcast group, first closing any update a previous learner left open."""
+        if self.update_active:
+            log.warning("a weight update was left open by a previous broadcast group; closing it")
+            await self.recover_from_lost_learner()
+        await self.init_weight_transfer(init_info)
 
     async def pause(self, mode: str) -> None:
         await self.engine.pause_generation(mode=mode, clear_cache=False)

@@ -39,8 +39,12 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
     while True:
         try:
             if not registered:
+                if await generator.recover_from_lost_learner():
+                    worker.ready.clear()
+                    log.warning("the learner went away during a weight update; weights marked incomplete, "
+                                "serving nothing until the learner resends them")
                 reply = await stub.RegisterGenerator(learner_pb2.RegisterGeneratorRequest(
-                    generator_id=generator_id, address=address, num_workers=1))
+                    generator_id=generator_id, address=address, num_workers=1, version=generator.version))
                 registered = True
                 if reply.version == generator.version:
                     worker.ready.set()  # both loaded the same initial weights

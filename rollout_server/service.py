@@ -46,7 +46,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         init_info = dict(master_address=request.master_address, master_port=request.master_port,
                          rank_offset=request.rank_offset, world_size=request.world_size,
                          group_epoch=request.group_epoch, timeout_seconds=request.timeout_seconds or 120.0)
-        await self.generator.init_weight_transfer(init_info)
+        await self.generator.init_weight_transfer_fresh(init_info)
         return rollout_pb2.InitWeightTransferResponse()
 
     async def StartWeightUpdate(self, request, context):

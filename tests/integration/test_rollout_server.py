@@ -191,3 +191,33 @@ async def test_queue_worker_turns_prompts_into_scored_trajectories(mesh):
     assert (await prompts.depth()).length == 0
     dead = await redis.xrange(f"{cfg['queue']['prompt_stream']}:dead")
     assert len(dead) == 1 and b"undecodable" in dead[0][1][b"reason"]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_update_left_open_by_a_dead_learner_is_recovered(mesh, tiny_model_dir):
+    import torch
+
+    stub, membership = mesh["stub"], mesh["membership"]
+    # A learner starts an update and dies: the engine is left paused with an update open.
+    await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode="keep"))
+    await stub.StartWeightUpdate(rollout_pb2.StartWeightUpdateRequest(version=2))
+    membership.remove("gen-0", "test: the learner that knew it is gone")
+    deadline = time.monotonic() + 30
+    while "gen-0" not in membership.generators:
+        assert time.monotonic() < deadline, "generator did not re-register"
+        await asyncio.sleep(0.2)
+    assert membership.generators["gen-0"].version == -1, "interrupted weights are reported as unknown"
+    status = await membership.generators["gen-0"].stub.GetStatus(rollout_pb2.RolloutStatusRequest())
+    assert status.version == -1 and not status.paused
+
+    # The learner resends everything; the server serves the new weights exactly.
+    model = _perturbed_hf_model(tiny_model_dir, seed=2)
+    mesh["state"]["version"] = 2
+    await mesh["broadcaster"].broadcast(2, lambda: list(model.state_dict().items()))
+    stub = membership.generators["gen-0"].stub
+    prompt_ids, (sample,) = await _generate(stub, _prompt(1, greedy=True, content="5+5="))
+    assert sample.min_version == 2
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False,
+                            eos_token_id=model.config.eos_token_id, pad_token_id=0)[0, len(prompt_ids):].tolist()
+    assert list(sample.completion.token_ids) == hf[: len(sample.completion.token_ids)]

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterGeneratorRequest(_message.Message):
-    __slots__ = ("generator_id", "address", "num_workers")
+    __slots__ = ("generator_id", "address", "num_workers", "version")
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     generator_id: str
     address: str
     num_workers: int
-    def __init__(self, generator_id: _Optional[str] = ..., address: _Optional[str] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, generator_id: _Optional[str] = ..., address: _Optional[str] = ..., num_workers: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class WeightRendezvous(_message.Message):
     __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch")

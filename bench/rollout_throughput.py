@@ -1,0 +1,148 @@
+"""Rollout-tier throughput against raw vLLM, side by side, on the same tiny model and prompts.
+
+baseline: vLLM's AsyncLLM.generate called directly for G prompt groups x n samples.
+measured: the same G groups through the real mesh path: prompt stream (Valkey) -> `rlmesh rollout`
+          (vLLM + tokenisation + versions + logprobs) -> `rlmesh reward` (gRPC Score) ->
+          trajectory stream.
+Prints generated tokens/s of each and their ratio. Run: python bench/rollout_throughput.py"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), dtype="float32", enforce_eager=True,
+                                                       max_model_len=256, enable_prefix_caching=False,
+                                                       disable_log_stats=True))
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(ids):
+        final = None
+        async for out in engine.generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
+            final = out
+        return len(final.outputs[0].token_ids)
+
+    await asyncio.gather(*(one(p) for p in prompts[:8]))  # warm-up
+    t0 = time.monotonic()
+    counts = await asyncio.gather(*(one(p) for p in prompts for _ in range(n)))
+    elapsed = time.monotonic() - t0
+    engine.shutdown()
+    return sum(counts), elapsed
+
+
+async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: Path) -> tuple[int, float]:
+    import yaml
+
+    from learner.membership import LearnerService, Membership
+    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+    from services.grpc_server import start_server
+    from services.queue import StreamQueue, connect
+    from services.valkey import start_embedded_valkey
+
+    valkey = start_embedded_valkey()
+    membership = Membership(token=None, rpc_timeout_s=60)
+    learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server,
+                                   LearnerService(membership, "bench", learner_pb2.LearnerStatusResponse, lambda: 0),
+                                   "rlmesh.v1.LearnerService")], port=0)
+    reward_port = _free_port()
+    cfg = {"model": {"type": "hf", "path": str(model_dir)}, "queue": {"url": valkey.connection_url},
+           "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
+           "rollout": {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256}}
+    (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cli = [sys.executable, "-m", "services.cli"]
+    procs = [subprocess.Popen([*cli, "reward", "-c", str(tmp / "bench.yaml"), "--port", str(reward_port)],
+                              stdout=(tmp / "reward.log").open("wb"), stderr=subprocess.STDOUT, env=env),
+             subprocess.Popen([*cli, "rollout", "-c", str(tmp / "bench.yaml"), "--port", "0"],
+                              stdout=(tmp / "rollout.log").open("wb"), stderr=subprocess.STDOUT, env=env)]
+    try:
+        while not membership.generators:
+            assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-2000:]
+            await asyncio.sleep(0.5)
+        redis = connect(valkey.connection_url)
+        prompts = StreamQueue(redis, "rlmesh:prompts", group="rollout")
+        trajectories = StreamQueue(redis, "rlmesh:trajectories", group="learner")
+        await trajectories.ensure_group()
+
+        async def run_round(count: int) -> int:
+            for i in range(count):
+                g = common_pb2.PromptGroup(group_id=uuid.uuid4().hex, env_name="arithmetic", n=n,
+                                           messages=[common_pb2.ChatMessage(role="user", content=f"{i % 10}+{i % 7}=")])
+                g.env_metadata.update({"answer": str(i % 10 + i % 7)})
+                await prompts.publish(g.group_id, g.SerializeToString())
+            tokens, got = 0, 0
+            while got < count:
+                for e in await trajectories.read("bench", count=256, block_ms=1000):
+                    t = common_pb2.TrajectoryGroup.FromString(e.data)
+                    tokens += sum(len(s.completion.token_ids) for s in t.samples)
+                    got += 1
+                    await trajectories.ack(e.id)
+            return tokens
+
+        await run_round(8)  # warm-up
+        t0 = time.monotonic()
+        tokens = await run_round(num_groups)
+        return tokens, time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
+        await learner.stop(0)
+        valkey.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=64, help="prompt groups per measured round")
+    parser.add_argument("--n", type=int, default=8, help="samples per group")
+    parser.add_argument("--max-tokens", type=int, default=64, help="completion length cap")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    from transformers import AutoTokenizer
+
+    from learner.tiny_model import write_tiny_model
+    from services.config import TinyModelSection
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlmesh-bench-"))
+    model_dir = write_tiny_model(TinyModelSection(), tmp / "model")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{i % 10}+{i % 7}="}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for i in range(args.groups)]
+    raw_tokens, raw_s = asyncio.run(raw_vllm(model_dir, prompts, args.n, args.max_tokens))
+    mesh_tokens, mesh_s = asyncio.run(mesh(model_dir, args.groups, args.n, args.max_tokens, tmp))
+    raw_tps, mesh_tps = raw_tokens / raw_s, mesh_tokens / mesh_s
+    print(f"\n{'path':<34}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
+    print(f"{'raw vLLM AsyncLLM.generate':<34}{raw_tokens:>10}{raw_s:>10.2f}{raw_tps:>12.0f}")
+    print(f"{'rollout server via queue + reward':<34}{mesh_tokens:>10}{mesh_s:>10.2f}{mesh_tps:>12.0f}")
+    print(f"ratio (rollout server / raw vLLM): {mesh_tps / raw_tps:.2f}  "
+          f"[{args.groups} groups x {args.n} samples, max_tokens {args.max_tokens}]")
+
+
+if __name__ == "__main__":
+    main()
