@@ -103,6 +103,7 @@ class Learner:
         self.metrics = MetricsWriter(self.run_dir)
         # Which trajectory groups each version was trained on: the audit trail for exactly-once.
         self.trained_log = MetricsWriter(self.run_dir, "trained_groups.jsonl")
+        self.dropped_log = MetricsWriter(self.run_dir, "dropped_groups.jsonl")
         await self._resume()
 
     async def _resume(self) -> None:
@@ -191,7 +192,9 @@ class Learner:
         if self._staleness(group) <= self.k:
             return False
         self.num_dropped_stale += 1
-        log.info("group %s dropped: staleness %d > max_staleness %d", group.group_id, self._staleness(group), self.k)
+        reason = f"staleness {self._staleness(group)} > max_staleness {self.k}"
+        log.info("group %s dropped: %s", group.group_id, reason)
+        self.dropped_log.write({"version": self.version, "group_id": group.group_id, "reason": reason})
         await self.trajectories.ack(entry.id)
         return True
 
@@ -219,6 +222,7 @@ class Learner:
             reason = "all rewards equal (dynamic sampling)"
         if reason:
             log.debug("group %s dropped: %s", group.group_id, reason)
+            self.dropped_log.write({"version": self.version, "group_id": group.group_id, "reason": reason})
             await self.trajectories.ack(entry.id)
             return False
         return True
@@ -388,6 +392,7 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
     finally:
         learner.metrics.close()
         learner.trained_log.close()
+        learner.dropped_log.close()
         await learner.server.stop(2.0)
 
 
