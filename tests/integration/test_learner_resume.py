@@ -1,7 +1,7 @@
 """The learner is SIGKILLed mid-run and restarted on the same run directory: it resumes from its
 newest checkpoint, replays its unacked trajectories, resyncs the rollout server's weights, and
 finishes. In the surviving lineage of versions no trajectory group is trained twice, and every
-group trained only in the lost steps is trained again or still pending (never acked unused)."""
+group trained only in the lost steps is trained again, still pending, or dropped on record."""
 
 from __future__ import annotations
 
