@@ -57,6 +57,7 @@ class Learner:
         self.held_back: list[tuple[Entry, common_pb2.TrajectoryGroup]] = []
         self.max_staleness_seen = 0
         self.resumed_from: int | None = None
+        self._last_arrival = self._last_wait_log = time.monotonic()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self._train_cursor = 0
 
@@ -175,8 +176,18 @@ class Learner:
     # --- consuming -------------------------------------------------------------------------------
 
     async def _read(self) -> list[tuple[Entry, common_pb2.TrajectoryGroup]]:
+        entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
+        now = time.monotonic()
+        if entries:
+            self._last_arrival = now
+        elif now - self._last_arrival > 30 and now - self._last_wait_log > 30:
+            self._last_wait_log = now
+            depth = await self.prompts.depth()
+            gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
+            log.warning("no trajectories for %.0fs: %d groups in flight, prompt stream %d unacked (%d undelivered), "
+                        "generators: %s", now - self._last_arrival, self.in_flight, depth.length, depth.lag, gens)
         out = []
-        for entry in await self.trajectories.read(CONSUMER, count=256, block_ms=500):
+        for entry in entries:
             try:
                 out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
             except DecodeError as err:
