@@ -60,7 +60,7 @@ def write_tiny_model(spec: TinyModelSection, output: str | Path, *, seed: int = 
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     if spec.arch == "qwen2":
         config = transformers.Qwen2Config(**common)

@@ -49,7 +49,7 @@ class FSDP2Backend:
         self.rank, self.world_size = init_distributed()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.to(self.device)
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
         for layer in model.model.layers:
@@ -98,7 +98,6 @@ class FSDP2Backend:
     def save_pretrained(self, path: str) -> None:
         state = dict(self.full_weights())
         if self.rank == 0:
-            unwrapped = type(self.model.config)  # noqa: F841  (config travels with the model class)
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
 
     def state_dict_for_checkpoint(self) -> dict:
