@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -309,8 +310,19 @@ class Learner:
         self.unacked = []
         return path
 
+    async def wait_for_generators(self) -> None:
+        want, t0, last = self.config.learner.min_generators, time.monotonic(), 0.0
+        while len(self.membership.generators) < want:
+            if time.monotonic() - last > 10:
+                log.info("waiting for %d rollout server(s) to register (have %d, %.0fs)", want,
+                         len(self.membership.generators), time.monotonic() - t0)
+                last = time.monotonic()
+            await asyncio.sleep(0.5)
+        await self.sync_generators()
+
     async def train(self) -> dict:
         cfg = self.config
+        await self.wait_for_generators()
         before = await self.evaluate()
         ready: list[tuple[Entry, common_pb2.TrajectoryGroup]] = []
         t_last = time.monotonic()
@@ -329,6 +341,8 @@ class Learner:
                 await self.issue_train_prompts(len(ready))
                 await self.sync_generators()
                 arrivals = await self._read()
+            # Oldest first: leftovers are the freshest groups, so fewer of them age past the bound.
+            ready.sort(key=lambda eg: self._staleness(eg[1]), reverse=True)
             batch, ready = ready[: self.B], ready[self.B :]
             groups = [g for _, g in batch]
             staleness = [self.version - min(s.min_version for s in g.samples) for g in groups]
@@ -354,6 +368,7 @@ class Learner:
                 "max_staleness": self.k, "num_dropped_stale": self.num_dropped_stale,
                 "num_dropped_other": self.num_dropped_other, "num_duplicates": self.num_duplicates,
                 "prompt_queue_length": depth.length, "in_flight": self.in_flight, **train_metrics, **bc,
+                "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
             }
             self.metrics.write(record)
             t_last = now

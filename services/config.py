@@ -155,6 +155,8 @@ class LearnerSection(Section):
     """Evaluate on held-out prompts every N steps (0: only before and after)."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the learner process."""
+    min_generators: int = Field(1, ge=1)
+    """Rollout servers that must have registered before the learner issues work."""
 
 
 class SFTSection(Section):

@@ -133,3 +133,19 @@ def test_a_crashed_service_stops_the_mesh_and_is_named(tmp_path):
     assert up.finish(timeout=60) == 1
     assert "service 'reward' exited" in up.output()
     assert not up.leftovers(), f"processes outlived the crash: {up.leftovers()}"
+
+
+def test_two_rollout_servers_share_the_work_and_the_broadcast(tmp_path):
+    run_dir = tmp_path / "run"
+    up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=12",
+            "learner.eval_every=0", "sft.num_steps=50")
+    assert up.finish(timeout=900) == 0, up.output()[-4000:]
+    assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert all(r["num_generators"] == 2 for r in train), "every broadcast reached both servers"
+    producers = {gid for r in train for gid in r["groups_by_generator"]}
+    assert producers == {"rollout-0", "rollout-1"}, f"both servers generated trained groups: {producers}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["weights_verified_versions"] >= 12 and summary["max_staleness_seen"] <= 1
+    assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
