@@ -123,6 +123,7 @@ class Learner:
         await self._torch(self.backend.load_checkpoint_state, state["backend"])
         self.version = int(state["version"])
         self.trained_groups = set(state["trained_groups"])
+        self._train_cursor = int(state.get("train_cursor", 0))
         # Prompts issued before the restart still come back as trajectories: count them in flight.
         self.in_flight = (await self.prompts.depth()).length + (await self.trajectories.depth()).lag
         replay = await self.trajectories.read_own_pending(CONSUMER, count=100000)
@@ -301,7 +302,8 @@ class Learner:
     async def _checkpoint(self) -> Path:
         from learner.checkpoint import save_checkpoint
 
-        state = {"version": self.version, "trained_groups": sorted(self.trained_groups), "run_id": self.run_id}
+        state = {"version": self.version, "trained_groups": sorted(self.trained_groups), "run_id": self.run_id,
+                 "train_cursor": self._train_cursor}
         path = await self._torch(save_checkpoint, self.run_dir / "checkpoints", self.version, self.backend,
                                  self.tokenizer, state, self.config.checkpoint.keep_last)
         # Only now is the training on these trajectories durable: ack them.
