@@ -18,6 +18,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self.generator, self.generator_id, self.worker = generator, generator_id, worker
         # Called with the new version after each completed update (the server marks itself ready).
         self.on_weights = on_weights
+        self._rendezvous: dict = {}
+        self.weights_sha256 = ""  # digest of the last weights received; empty until the first update
 
     async def Generate(self, request, context):
         group = request.prompt
@@ -47,6 +49,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                          rank_offset=request.rank_offset, world_size=request.world_size,
                          group_epoch=request.group_epoch, timeout_seconds=request.timeout_seconds or 120.0)
         await self.generator.init_weight_transfer_fresh(init_info)
+        self._rendezvous = init_info
         return rollout_pb2.InitWeightTransferResponse()
 
     async def StartWeightUpdate(self, request, context):
@@ -67,9 +70,22 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def FinishWeightUpdate(self, request, context):
         await self.generator.finish_weight_update(request.version)
+        self.weights_sha256 = await asyncio.to_thread(self._received_digest, request.version)
         if self.on_weights is not None:
             self.on_weights(request.version)
-        return rollout_pb2.FinishWeightUpdateResponse()
+        return rollout_pb2.FinishWeightUpdateResponse(weights_sha256=self.weights_sha256)
+
+    def _received_digest(self, version: int) -> str:
+        """The digest the worker published for the bytes it received (read from the learner's store)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        r = self._rendezvous
+        store = dist.TCPStore(r["master_address"], r["master_port"], is_master=False,
+                              timeout=timedelta(seconds=30), wait_for_workers=False)
+        key = f"rlmesh/epoch{r['group_epoch']}/digest/v{version}/rank{r['rank_offset']}"
+        return store.get(key).decode()
 
     async def PauseGeneration(self, request, context):
         mode = request.mode or "keep"
@@ -88,4 +104,5 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             generator_id=self.generator_id, version=self.generator.version, paused=self.generator.paused,
             num_inflight_groups=w.num_inflight if w else 0, num_completed_groups=w.num_completed if w else 0,
             num_generated_tokens=self.generator.num_generated_tokens, group_epoch=self.generator.group_epoch,
+            weights_sha256=self.weights_sha256 if request.include_weights_hash else "",
         )

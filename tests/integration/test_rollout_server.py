@@ -135,8 +135,11 @@ async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_mode
     assert metrics["num_generators"] == 1.0
     assert mesh["broadcaster"].verified_versions[-1] == 1
 
-    status = await mesh["stub"].GetStatus(rollout_pb2.RolloutStatusRequest())
+    status = await mesh["stub"].GetStatus(rollout_pb2.RolloutStatusRequest(include_weights_hash=True))
     assert status.version == 1 and not status.paused
+    from services.weight_sync import weights_digest
+
+    assert status.weights_sha256 == weights_digest(named) == mesh["broadcaster"].last_digest
 
     for content in ("3+4=", "9+9=", "hello"):
         prompt_ids, (sample,) = await _generate(mesh["stub"], _prompt(1, greedy=True, content=content))
