@@ -149,3 +149,17 @@ def test_two_rollout_servers_share_the_work_and_the_broadcast(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["weights_verified_versions"] >= 12 and summary["max_staleness_seen"] <= 1
     assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
+
+
+def test_synchronous_mode_is_on_policy_and_logprobs_match(tmp_path):
+    """max_staleness=0: every sample comes from the learner's current weights, so vLLM's
+    behaviour logprobs equal the learner's recomputed ones up to float error."""
+    run_dir = tmp_path / "run"
+    up = Up(run_dir, "algorithm.max_staleness=0", "learner.num_steps=6", "learner.eval_every=0", "sft.num_steps=50")
+    assert up.finish(timeout=900) == 0, up.output()[-4000:]
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert len(train) == 6
+    assert all(r["staleness_max"] == 0 for r in train)
+    assert max(r["mismatch_abs_logprob"] for r in train) < 1e-3, [r["mismatch_abs_logprob"] for r in train]
+    assert max(r["tis_truncated_frac"] for r in train) == 0.0
