@@ -11,22 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from services.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
@@ -68,7 +62,7 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
     learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server,
                                    LearnerService(membership, "bench", learner_pb2.LearnerStatusResponse, lambda: 0),
                                    "rlmesh.v1.LearnerService")], port=0)
-    reward_port = _free_port()
+    reward_port = free_port()
     cfg = {"model": {"type": "hf", "path": str(model_dir)}, "queue": {"url": valkey.connection_url},
            "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
            "rollout": {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256}}

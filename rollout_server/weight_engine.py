@@ -9,7 +9,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,

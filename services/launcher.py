@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.config import RunConfig, dump_config
+from services.ports import free_port
 
 log = logging.getLogger("rlmesh.up")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

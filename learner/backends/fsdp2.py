@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Iterator
 
 import torch
@@ -20,14 +19,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from learner.backends.base import LossFn
 from learner.batch import MicroBatch
+from services.ports import free_port
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed() -> tuple[int, int]:
@@ -37,7 +31,7 @@ def init_distributed() -> tuple[int, int]:
         if "RANK" in os.environ:
             dist.init_process_group(backend)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
 

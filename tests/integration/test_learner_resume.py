@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+from services.ports import free_port
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -45,7 +39,7 @@ def _wait(predicate, timeout: float, what: str, procs=(), log: Path | None = Non
 
 
 def test_learner_crash_resumes_without_losing_or_repeating_trajectories(tiny_model_dir, valkey_url, tmp_path):
-    learner_port, reward_port = _free_port(), _free_port()
+    learner_port, reward_port = free_port(), free_port()
     suffix = uuid.uuid4().hex[:6]
     traj_stream = f"t-{suffix}"
     config = {

@@ -17,20 +17,13 @@ import yaml
 
 from learner.broadcast import WeightBroadcaster
 from learner.membership import LearnerService, Membership
-from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2
 from services.config import WeightSyncSection
 from services.grpc_server import start_server
+from services.ports import free_port
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -41,7 +34,7 @@ async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
     service = LearnerService(membership, "test-run", lambda: learner_pb2.LearnerStatusResponse(), lambda: state["version"])
     learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service,
                                    "rlmesh.v1.LearnerService")], port=0)
-    reward_port = _free_port()
+    reward_port = free_port()
     suffix = uuid.uuid4().hex[:6]
     config = {
         "model": {"type": "hf", "path": str(tiny_model_dir)},
