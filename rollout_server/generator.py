@@ -121,8 +121,12 @@ class VLLMGenerator:
     # --- weight-transfer control plane (mirrors vLLM's) --------------------------------------
 
     async def init_weight_transfer(self, init_info: dict) -> None:
+        """Join a (new) broadcast group, first closing any update a previous learner left open."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        if self.update_active:
+            log.warning("a weight update was left open by a previous broadcast group; closing it")
+            await self.recover_from_lost_learner()
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
         self.group_epoch = init_info["group_epoch"]
 
@@ -156,13 +160,6 @@ class VLLMGenerator:
         if self.paused:
             await self.resume()
         return True
-
-    async def init_weight_transfer_fresh(self, init_info: dict) -> None:
-        """Join a (new) broadcast group, first closing any update a previous learner left open."""
-        if self.update_active:
-            log.warning("a weight update was left open by a previous broadcast group; closing it")
-            await self.recover_from_lost_learner()
-        await self.init_weight_transfer(init_info)
 
     async def pause(self, mode: str) -> None:
         await self.engine.pause_generation(mode=mode, clear_cache=False)

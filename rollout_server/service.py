@@ -19,6 +19,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         # Called with the new version after each completed update (the server marks itself ready).
         self.on_weights = on_weights
         self._rendezvous: dict = {}
+        self._store = None
         self.weights_sha256 = ""  # digest of the last weights received; empty until the first update
 
     async def Generate(self, request, context):
@@ -48,8 +49,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         init_info = dict(master_address=request.master_address, master_port=request.master_port,
                          rank_offset=request.rank_offset, world_size=request.world_size,
                          group_epoch=request.group_epoch, timeout_seconds=request.timeout_seconds or 120.0)
-        await self.generator.init_weight_transfer_fresh(init_info)
-        self._rendezvous = init_info
+        await self.generator.init_weight_transfer(init_info)
+        self._rendezvous, self._store = init_info, None
         return rollout_pb2.InitWeightTransferResponse()
 
     async def StartWeightUpdate(self, request, context):
@@ -82,10 +83,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         import torch.distributed as dist
 
         r = self._rendezvous
-        store = dist.TCPStore(r["master_address"], r["master_port"], is_master=False,
-                              timeout=timedelta(seconds=30), wait_for_workers=False)
+        if self._store is None:  # one client per broadcast group, not one per update
+            self._store = dist.TCPStore(r["master_address"], r["master_port"], is_master=False,
+                                        timeout=timedelta(seconds=30), wait_for_workers=False)
         key = f"rlmesh/epoch{r['group_epoch']}/digest/v{version}/rank{r['rank_offset']}"
-        return store.get(key).decode()
+        return self._store.get(key).decode()
 
     async def PauseGeneration(self, request, context):
         mode = request.mode or "keep"

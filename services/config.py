@@ -340,7 +340,9 @@ def format_validation_error(err: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
-_UNION_TAGS = {"tiny", "hf", "arithmetic", "jsonl"}
+# Discriminator values pydantic puts in error locations; they are not field names.
+_UNION_TAGS = {m.model_fields["type"].default for m in (TinyModelSection, HFModelSection,
+                                                         ArithmeticDataSection, JsonlDataSection)}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -38,18 +38,18 @@ class Service:
 
 
 class Mesh:
-    def __init__(self, config: RunConfig, run_dir: Path) -> None:
-        self.config, self.run_dir = config, run_dir
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
         self.services: list[Service] = []
         self.valkey = None
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Service:
+    def spawn(self, name: str, argv: list[str]) -> Service:
         log_path = self.run_dir / "logs" / f"{name}.log"
         out = log_path.open("ab")
         # Own session: stopping the service's process group also stops its children (vLLM's engine).
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})}, cwd=os.getcwd())
+                                start_new_session=True, cwd=os.getcwd())
         svc = Service(name, proc, log_path)
         self.services.append(svc)
         log.info("started %s (pid %d), log: %s", name, proc.pid, log_path)
@@ -99,7 +99,7 @@ def run_up(config: RunConfig, args: argparse.Namespace) -> int:
     run_dir = run_dir.resolve()
     dump_config(config, run_dir / "config.yaml")
     print(f"rlmesh up: run directory {run_dir}", flush=True)
-    mesh = Mesh(config, run_dir)
+    mesh = Mesh(run_dir)
     interrupted = False
 
     def on_signal(signum, frame):  # noqa: ARG001

@@ -62,26 +62,25 @@ def store_and_group(
     return store, group
 
 
-def _bucket_bytes(tensors: list[torch.Tensor]) -> bytes:
-    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
+def _flat_buckets(named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> Iterator[torch.Tensor]:
+    """Each bucket's tensors, on CPU, concatenated into one flat tensor (the wire layout)."""
+    tensors = [t.detach().to("cpu").contiguous() for _, t in named]
+    for idx in buckets(metas):
+        yield torch.cat([tensors[i].reshape(-1) for i in idx]) if len(idx) > 1 else tensors[idx[0]].reshape(-1)
 
 
 def weights_digest(named: list[tuple[str, torch.Tensor]]) -> str:
     """sha256 over the weights in broadcast order and layout (equals `send`'s digest)."""
-    tensors = [t.detach().to("cpu").contiguous() for _, t in named]
     digest = hashlib.sha256()
-    for idx in buckets(describe(named)):
-        digest.update(_bucket_bytes([tensors[i] for i in idx]))
+    for flat in _flat_buckets(named, describe(named)):
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
 def send(group: dist.ProcessGroup, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
     """Broadcast every tensor from rank 0; returns the digest of what was sent."""
-    tensors = [t.detach().to("cpu").contiguous() for _, t in named]
     digest = hashlib.sha256()
-    for idx in buckets(metas):
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx]) if len(idx) > 1 else tensors[idx[0]].reshape(-1)
+    for flat in _flat_buckets(named, metas):
         group.broadcast(flat, 0).wait()
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -74,7 +74,8 @@ class FSDP2Backend:
         totals: dict[str, float] = {}
         for micro in micros:
             logprobs_BT = self._logprobs(micro, temperature)
-            loss, metrics = loss_fn(logprobs_BT.cpu() if self.device.type == "cpu" else logprobs_BT, micro)
+            # Batch tensors live on CPU; the loss is computed there (a no-op move on CPU hosts).
+            loss, metrics = loss_fn(logprobs_BT.cpu(), micro)
             loss.backward()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / len(micros)
