@@ -264,7 +264,17 @@ class Learner:
                                      self.tokenizer.pad_token_id)
         for m in micros:
             m.old_logprobs_BT = self.backend.compute_logprobs(m, temperature)
-        return self.backend.train_step(micros, partial(policy_loss, cfg=self.loss_cfg), temperature)
+        lr = self.learning_rate()
+        self.backend.set_lr(lr)
+        return {**self.backend.train_step(micros, partial(policy_loss, cfg=self.loss_cfg), temperature), "lr": lr}
+
+    def learning_rate(self) -> float:
+        """The schedule's rate for the step that takes version `self.version` to the next."""
+        cfg = self.config.learner
+        if cfg.lr_schedule == "constant":
+            return cfg.lr
+        progress = self.version / max(cfg.num_steps - 1, 1)
+        return cfg.lr * (1 - (1 - cfg.lr_final_ratio) * min(progress, 1.0))
 
     # --- eval ------------------------------------------------------------------------------------
 

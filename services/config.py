@@ -140,7 +140,11 @@ class LearnerSection(Section):
     backend: BackendSection = FSDP2BackendSection()
     """Training backend (`type: fsdp2`; Megatron-core is not wired in yet)."""
     lr: float = Field(1e-3, gt=0)
-    """AdamW learning rate."""
+    """AdamW learning rate (peak)."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """constant, or linear decay from `lr` to `lr * lr_final_ratio` over `num_steps`."""
+    lr_final_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of `lr` (linear schedule)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     max_grad_norm: float = Field(1.0, gt=0)
@@ -183,8 +187,6 @@ class AlgorithmSection(Section):
     """PPO ratio clip above 1 (DAPO's clip-higher raises it)."""
     tis_cap: float = Field(2.0, ge=1)
     """Truncated importance sampling cap on pi_old / pi_behaviour."""
-    kl_coef: float = Field(0.0, ge=0)
-    """KL penalty to the reference policy (0: no reference model)."""
     drop_zero_advantage_groups: bool = False
     """Skip groups whose rewards are all equal (DAPO dynamic sampling)."""
 

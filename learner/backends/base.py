@@ -24,6 +24,9 @@ class TrainingBackend(Protocol):
     def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float) -> dict[str, float]:
         """Accumulate gradients over `micros`, clip, step the optimizer; return averaged metrics."""
 
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next steps."""
+
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for every weight; a collective on every rank."""
 

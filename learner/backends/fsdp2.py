@@ -68,6 +68,10 @@ class FSDP2Backend:
         self.model.eval()
         return self._logprobs(micro, temperature).cpu()
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

@@ -106,3 +106,19 @@ async def test_dynamic_sampling_drops_groups_without_signal(tmp_path, drop):
     learner.config.algorithm.drop_zero_advantage_groups = drop
     accepted = await learner._accept(*_group("flat", [(0, 0)] * 4, rewards=[1.0] * 4))
     assert accepted is (not drop)
+
+
+def test_linear_schedule_decays_from_peak_to_final_ratio(tmp_path):
+    learner = _learner(tmp_path)
+    learner.config.learner.lr_schedule = "linear"
+    learner.config.learner.num_steps = 11
+    learner.config.learner.lr_final_ratio = 0.1
+    lr = learner.config.learner.lr
+    rates = []
+    for v in range(11):
+        learner.version = v
+        rates.append(learner.learning_rate())
+    assert rates[0] == pytest.approx(lr) and rates[-1] == pytest.approx(0.1 * lr)
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    learner.config.learner.lr_schedule = "constant"
+    assert learner.learning_rate() == lr
