@@ -68,7 +68,7 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
            "rollout": {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256}}
     (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cli = [sys.executable, "-m", "services.cli"]
+    cli = [sys.executable, "-m", "entrypoints.cli"]
     procs = [subprocess.Popen([*cli, "reward", "-c", str(tmp / "bench.yaml"), "--port", str(reward_port)],
                               stdout=(tmp / "reward.log").open("wb"), stderr=subprocess.STDOUT, env=env),
              subprocess.Popen([*cli, "rollout", "-c", str(tmp / "bench.yaml"), "--port", "0"],

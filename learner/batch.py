@@ -31,6 +31,8 @@ class MicroBatch:
     # Normaliser shared by every micro-batch of a step (tokens or sequences in the whole step).
     num_loss_tokens_in_step: float = 1.0
     num_seqs_in_step: float = 1.0
+    # Filler that keeps every rank's collective count equal; contributes nothing to the loss.
+    is_padding: bool = False
 
 
 def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
@@ -53,9 +55,24 @@ def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
     return MicroBatch(input_ids, attention, loss_mask, behaviour, advantages)
 
 
-def split_micro_batches(seqs: list[Sequence], size: int, pad_id: int) -> list[MicroBatch]:
-    micros = [pack(seqs[i : i + size], pad_id) for i in range(0, len(seqs), size)]
-    num_tokens = float(sum(m.loss_mask_BT.sum().item() for m in micros)) or 1.0
+def padding_micro(pad_id: int) -> MicroBatch:
+    micro = pack([Sequence([pad_id], [pad_id], [False])], pad_id)
+    micro.is_padding = True
+    return micro
+
+
+def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world_size: int = 1) -> list[MicroBatch]:
+    """This rank's micro-batches of one optimizer step over `seqs` (the whole step's batch).
+
+    Ranks take contiguous equal shares; every rank gets the same number of micro-batches (padded
+    with empty ones), and every micro-batch carries the whole step's normalisers, so the summed
+    gradient over ranks equals the single-rank step's."""
+    num_tokens = float(sum(sum(1 for m in s.loss_mask if m) for s in seqs)) or 1.0
+    per_rank = -(-len(seqs) // world_size)
+    local = seqs[rank * per_rank : (rank + 1) * per_rank]
+    num_micro = max(-(-per_rank // size), 1)
+    micros = [pack(local[i : i + size], pad_id) for i in range(0, len(local), size)]
+    micros += [padding_micro(pad_id) for _ in range(num_micro - len(micros))]
     for m in micros:
         m.num_loss_tokens_in_step = num_tokens
         m.num_seqs_in_step = float(len(seqs))

@@ -1,5 +1,13 @@
-"""Durable checkpoints: an HF model directory plus trainer state, written to a temporary
-directory and renamed into place, so a checkpoint either exists whole or not at all."""
+"""Durable checkpoints, written by every learner rank with torch.distributed.checkpoint (DCP), so
+they resume on any number of ranks:
+
+    step_000010/
+      dcp/                 sharded model + optimizer state
+      rng_rank{r}.pt       each rank's RNG state
+      trainer_state.json   version, data cursor, trained group ids, run id, LR schedule position
+      hf_config/           the model's config and tokenizer (for `rlmesh export`)
+
+Written to a temporary directory and renamed into place, so a checkpoint exists whole or not at all."""
 
 from __future__ import annotations
 
@@ -7,21 +15,28 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from learner.trainer import Trainer
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def save_checkpoint(root: Path, version: int, backend, tokenizer, state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(root: Path, version: int, trainer: Trainer, model_dir: str, state: dict[str, Any],
+                    keep_last: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{version:06d}"
     tmp = root / f".tmp_step_{version:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    backend.save_pretrained(str(tmp / "model"))
-    tokenizer.save_pretrained(str(tmp / "model"))
-    torch.save({"backend": backend.state_dict_for_checkpoint(), **state}, tmp / "trainer_state.pt")
-    (tmp / "meta.json").write_text(json.dumps({"version": version}))
+    trainer.save(tmp)  # every rank writes its shards
+    hf = tmp / "hf_config"
+    hf.mkdir()
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+            shutil.copy2(f, hf / f.name)
+    (tmp / "trainer_state.json").write_text(json.dumps({"version": version, **state}))
     for path in tmp.rglob("*"):
         if path.is_file():
             with path.open("rb") as f:
@@ -36,3 +51,41 @@ def save_checkpoint(root: Path, version: int, backend, tokenizer, state: dict[st
 def latest_checkpoint(root: Path) -> Path | None:
     found = sorted(root.glob("step_*")) if root.is_dir() else []
     return found[-1] if found else None
+
+
+def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def find_checkpoint(run_dir: Path, step: int | None) -> Path:
+    root = run_dir / "checkpoints"
+    if step is None:
+        found = latest_checkpoint(root)
+        if found is None:
+            raise ValueError(f"{run_dir} has no checkpoints (looked for {root}/step_*)")
+        return found
+    path = root / f"step_{step:06d}"
+    if not path.is_dir():
+        have = ", ".join(p.name for p in sorted(root.glob("step_*"))) or "none"
+        raise ValueError(f"no checkpoint for step {step} in {root} (have: {have})")
+    return path
+
+
+def export_hf(checkpoint: Path, output: Path) -> Path:
+    """Write an HF model directory from a DCP checkpoint, in this one process (no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = checkpoint / "hf_config"
+    config = AutoConfig.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
+    model.load_state_dict(state["model"])
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output, safe_serialization=True)
+    for f in hf.iterdir():
+        if f.name != "config.json":
+            shutil.copy2(f, output / f.name)
+    return output

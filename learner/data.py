@@ -1,12 +1,13 @@
-"""Prompt datasets: generated arithmetic problems or JSONL files. An example is a plain dict
-{"id", "prompt", "answer", "env"}; the learner turns it into a PromptGroup."""
+"""Prompt datasets: generated arithmetic problems or JSONL files. An example carries the chat
+messages to send and an opaque metadata dict for its environment (the learner never looks inside)."""
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.config import ArithmeticDataSection, DataSection, JsonlDataSection
 
@@ -14,9 +15,27 @@ from services.config import ArithmeticDataSection, DataSection, JsonlDataSection
 @dataclass(frozen=True)
 class Example:
     id: str
-    prompt: str
-    answer: str
+    messages: list[dict[str, str]]
+    """The conversation so far (system / user / earlier turns); the policy writes the next turn."""
     env: str
+    """Environment that scores it."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Passed to the environment as is (e.g. {"answer": "7"})."""
+
+    @property
+    def reference(self) -> str | None:
+        """A reference assistant turn, for SFT: the metadata's answer, or a trailing assistant message."""
+        if self.messages and self.messages[-1].get("role") == "assistant":
+            return self.messages[-1]["content"]
+        answer = self.metadata.get("answer")
+        return None if answer is None else str(answer)
+
+    @property
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """The messages up to (not including) a trailing reference assistant turn."""
+        if self.messages and self.messages[-1].get("role") == "assistant":
+            return self.messages[:-1]
+        return self.messages
 
 
 def _arithmetic(cfg: ArithmeticDataSection, seed: int) -> tuple[list[Example], list[Example]]:
@@ -34,7 +53,8 @@ def _arithmetic(cfg: ArithmeticDataSection, seed: int) -> tuple[list[Example], l
             "distinct ones; lower data.num_eval or raise data.max_operand"
         )
     examples = [
-        Example(id=f"{a}{op}{b}", prompt=f"{a}{op}{b}=", answer=str(ops[op](a, b)), env="arithmetic")
+        Example(id=f"{a}{op}{b}", messages=[{"role": "user", "content": f"{a}{op}{b}="}], env="arithmetic",
+                metadata={"answer": str(ops[op](a, b))})
         for a, op, b in problems
     ]
     eval_set = examples[: cfg.num_eval]
@@ -47,12 +67,28 @@ def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
     for i, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
             continue
+        where = f"{path}:{i + 1}"
         row = json.loads(line)
-        for key in (cfg.prompt_key, cfg.answer_key):
-            if key not in row:
-                raise ValueError(f"{path}:{i + 1}: missing field {key!r} (data.prompt_key / data.answer_key)")
-        out.append(Example(id=str(row.get("id", i)), prompt=str(row[cfg.prompt_key]),
-                           answer=str(row[cfg.answer_key]), env=cfg.env_name))
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each line must be a JSON object")
+        if cfg.messages_key in row:
+            messages = row[cfg.messages_key]
+            if not (isinstance(messages, list) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                       for m in messages)):
+                raise ValueError(f"{where}: {cfg.messages_key!r} must be a list of {{role, content}} objects")
+        elif cfg.prompt_key in row:
+            messages = [{"role": "user", "content": str(row[cfg.prompt_key])}]
+        else:
+            raise ValueError(f"{where}: needs {cfg.messages_key!r} (chat messages) or {cfg.prompt_key!r} "
+                             "(data.messages_key / data.prompt_key)")
+        if isinstance(row.get(cfg.metadata_key), dict):
+            metadata = dict(row[cfg.metadata_key])
+        else:
+            metadata = {k: v for k, v in row.items() if k not in ("id", cfg.messages_key, cfg.prompt_key, "env")}
+        if cfg.answer_key != "answer" and cfg.answer_key in row:
+            metadata.setdefault("answer", row[cfg.answer_key])
+        out.append(Example(id=str(row.get("id", i)), messages=messages, env=str(row.get("env", cfg.env_name)),
+                           metadata=metadata))
     return out
 
 

@@ -1,5 +1,6 @@
-"""`rlmesh sft`: supervised fine-tuning (masked NLL on assistant tokens) through the training
-backend. The demo uses it as a warm start so the policy begins with some reward to improve on."""
+"""`rlmesh sft`: supervised fine-tuning (masked NLL on assistant tokens) through the same trainer,
+backend and step as RL, with the SFT objective. The demo uses it as a warm start so the policy
+begins with some reward to improve on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import sys
 from pathlib import Path
 
-from learner.batch import Sequence, split_micro_batches
+from learner.batch import Sequence
 from learner.data import Example, load_dataset
 from services.config import HFModelSection, RunConfig
 
@@ -29,14 +30,17 @@ def sft_target(example: Example, rng: random.Random, label_noise: float) -> str:
     """The assistant turn to imitate. With probability `label_noise` a stray "!" follows the answer
     ("7!", which the exact-answer checker scores 0): the warm start learns the arithmetic from every
     example but also a habit of not stopping after the answer, which the demo's RL stage unlearns."""
+    reference = example.reference
+    if reference is None:
+        raise ValueError(f"example {example.id!r} has no reference answer for SFT: give it a trailing assistant "
+                         "message or metadata.answer")
     if label_noise and rng.random() < label_noise:
-        return example.answer + "!"
-    return example.answer
+        return reference + "!"
+    return reference
 
 
-def encode_chat(tokenizer, prompt: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None = None) -> Path:
@@ -44,19 +48,17 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from learner.algorithms.loss import sft_loss
-    from learner.backends.fsdp2 import FSDP2Backend
+    from learner.trainer import Trainer
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.learner.torch_threads)
     model_dir = prepare_model(config, output.parent)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    backend = FSDP2Backend(model_dir, lr=config.sft.lr, weight_decay=config.learner.weight_decay,
-                           max_grad_norm=config.learner.max_grad_norm, seed=config.run.seed)
+    trainer = Trainer(config, model_dir, "sft", lr=config.sft.lr, pad_id=tokenizer.pad_token_id)
     train, _ = load_dataset(config.data, config.run.seed)
     rng = random.Random(config.run.seed)
-    prompt_cache = {ex.id: encode_chat(tokenizer, ex.prompt) for ex in train}
+    prompt_cache = {ex.id: encode_chat(tokenizer, ex.prompt_messages) for ex in train}
     eos = tokenizer.eos_token_id
     if show_progress is None:
         show_progress = sys.stderr.isatty()
@@ -66,10 +68,9 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
         for ex in rng.choices(train, k=config.sft.batch_size):
             target = tokenizer.encode(sft_target(ex, rng, config.sft.label_noise), add_special_tokens=False) + [eos]
             seqs.append(Sequence(prompt_cache[ex.id], target, [True] * len(target)))
-        micros = split_micro_batches(seqs, config.learner.micro_batch_size, tokenizer.pad_token_id)
-        metrics = backend.train_step(micros, sft_loss)
+        metrics = trainer.step(seqs, config.sft.lr)
         bar.set_postfix(nll=f"{metrics['nll']:.3f}")
-    backend.save_pretrained(str(output))
+    trainer.save_pretrained(output)
     tokenizer.save_pretrained(str(output))
     _copy_generation_config(model_dir, output)
     log.info("SFT model written to %s", output)

@@ -22,7 +22,8 @@ from services.queue import StreamQueue, connect
 from services.telemetry import setup_logging
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-WEIGHT_ENGINE = "rlmesh_gloo"
+# weight_sync.backend -> the vLLM weight-transfer engine that receives it.
+WEIGHT_ENGINES = {"gloo": "rlmesh_gloo", "nccl": "nccl"}
 HEARTBEAT_S = 2.0
 
 
@@ -71,7 +72,8 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     log = setup_logging("rollout", config.logging.level)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_env()
-    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, WEIGHT_ENGINE)
+    transport = config.weight_sync.backend
+    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, WEIGHT_ENGINES[transport])
     await generator.start()
 
     redis = connect(config.queue.url)
@@ -84,7 +86,8 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     worker = RolloutWorker(generator, prompts, trajectories, reward_pb2_grpc.RewardServiceStub(reward_channel),
                            consumer="pending", max_concurrent_groups=config.rollout.max_concurrent_groups,
                            score_timeout_s=config.reward.score_timeout_s)
-    service = RolloutService(generator, "pending", worker, on_weights=lambda version: worker.ready.set())
+    service = RolloutService(generator, "pending", worker, on_weights=lambda version: worker.ready.set(),
+                             transport=transport)
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],
                                 host=config.network.host, port=args.port, token=token, tls=tls)
     address = f"{args.advertise_host or config.network.host}:{server.port}"

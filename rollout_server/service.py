@@ -14,8 +14,11 @@ log = logging.getLogger(__name__)
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, generator: VLLMGenerator, generator_id: str, worker=None, on_weights=None) -> None:
+    def __init__(self, generator: VLLMGenerator, generator_id: str, worker=None, on_weights=None,
+                 transport: str = "gloo") -> None:
         self.generator, self.generator_id, self.worker = generator, generator_id, worker
+        # weight_sync.backend this server's vLLM engine was started with (gloo or nccl).
+        self.transport = transport
         # Called with the new version after each completed update (the server marks itself ready).
         self.on_weights = on_weights
         self._rendezvous: dict = {}
@@ -43,12 +46,19 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"world_size={request.world_size} / rank_offset={request.rank_offset}: the learner "
                                 "is rank 0, so workers need rank_offset >= 1 and world_size >= 2")
-        if request.backend != "gloo":
+        if request.backend != self.transport:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"backend={request.backend!r}: this server's engine receives over gloo only")
-        init_info = dict(master_address=request.master_address, master_port=request.master_port,
-                         rank_offset=request.rank_offset, world_size=request.world_size,
-                         group_epoch=request.group_epoch, timeout_seconds=request.timeout_seconds or 120.0)
+                                f"backend={request.backend!r}: this server's vLLM engine receives over "
+                                f"{self.transport!r}; start learner and rollout servers with the same weight_sync.backend")
+        if self.transport == "nccl":
+            from services.weights.nccl import worker_init_info
+
+            init_info = worker_init_info(request.master_address, request.master_port, request.rank_offset,
+                                         request.world_size)
+        else:
+            init_info = dict(master_address=request.master_address, master_port=request.master_port,
+                             rank_offset=request.rank_offset, world_size=request.world_size,
+                             group_epoch=request.group_epoch, timeout_seconds=request.timeout_seconds or 120.0)
         await self.generator.init_weight_transfer(init_info)
         self._rendezvous, self._store = init_info, None
         return rollout_pb2.InitWeightTransferResponse()
@@ -61,17 +71,19 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if not request.tensors:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights lists no tensors")
         update_info = dict(
-            version=request.version,
             names=[t.name for t in request.tensors],
             dtype_names=[t.dtype for t in request.tensors],
             shapes=[list(t.shape) for t in request.tensors],
         )
+        if self.transport == "gloo":
+            update_info["version"] = request.version
         await self.generator.update_weights(update_info)
         return rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
 
     async def FinishWeightUpdate(self, request, context):
         await self.generator.finish_weight_update(request.version)
-        self.weights_sha256 = await asyncio.to_thread(self._received_digest, request.version)
+        if self.transport == "gloo":  # only the gloo engine digests what it received
+            self.weights_sha256 = await asyncio.to_thread(self._received_digest, request.version)
         if self.on_weights is not None:
             self.on_weights(request.version)
         return rollout_pb2.FinishWeightUpdateResponse(weights_sha256=self.weights_sha256)
@@ -86,8 +98,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if self._store is None:  # one client per broadcast group, not one per update
             self._store = dist.TCPStore(r["master_address"], r["master_port"], is_master=False,
                                         timeout=timedelta(seconds=30), wait_for_workers=False)
-        key = f"rlmesh/epoch{r['group_epoch']}/digest/v{version}/rank{r['rank_offset']}"
-        return self._store.get(key).decode()
+        from services.weights.gloo import digest_key
+
+        return self._store.get(digest_key(r["group_epoch"], version, r["rank_offset"])).decode()
 
     async def PauseGeneration(self, request, context):
         mode = request.mode or "keep"

@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import (
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "rlmesh_gloo"
+BACKEND_NAME = "rlmesh_gloo"  # == services.weights.gloo.ENGINE
 
 
 @dataclass
@@ -55,12 +55,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._epoch = -1
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        from services.weight_sync import store_and_group
+        from services.weights.gloo import join_group
 
         self.shutdown()
         # One inference worker per tensor-parallel rank; the learner is rank 0.
         self._rank = init_info.rank_offset + self.parallel_config.rank
-        self._store, self._group = store_and_group(
+        self._store, self._group = join_group(
             init_info.master_address, init_info.master_port, self._rank, init_info.world_size,
             init_info.group_epoch, init_info.timeout_seconds,
         )
@@ -82,7 +82,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        from services.weight_sync import TensorMeta, receive
+        from services.weights.gloo import digest_key, receive
+        from services.weights.wire import TensorMeta
 
         if self._group is None:
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
@@ -91,7 +92,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         for name, tensor in receive(self._group, metas, digest):
             self.model.load_weights([(name, tensor)])
         if digest is not None:
-            self._store.set(f"rlmesh/epoch{self._epoch}/digest/v{update_info.version}/rank{self._rank}", digest.hexdigest())
+            self._store.set(digest_key(self._epoch, update_info.version, self._rank), digest.hexdigest())
 
     def shutdown(self) -> None:
         self._group = None

@@ -76,17 +76,21 @@ class ArithmeticDataSection(Section):
 
 class JsonlDataSection(Section):
     type: Literal["jsonl"] = "jsonl"
-    """Prompts from JSONL files: one object per line with a prompt and an answer."""
+    """Prompts from JSONL files: one object per line with chat messages (or a plain prompt) and metadata."""
     train_path: str
     """Training prompts."""
     eval_path: str
     """Held-out prompts."""
+    messages_key: str = "messages"
+    """Field holding the full chat message list ([{role, content}, ...]); takes precedence over prompt_key."""
     prompt_key: str = "prompt"
-    """Field holding the user prompt."""
+    """Field holding a plain user prompt (used when a row has no messages)."""
+    metadata_key: str = "metadata"
+    """Field holding the environment's metadata object; without it, every other field of the row is the metadata."""
     answer_key: str = "answer"
-    """Field holding the reference answer (passed to the environment as metadata)."""
+    """Field holding the reference answer; copied to metadata.answer when it is named otherwise."""
     env_name: str = "arithmetic"
-    """Environment that scores these prompts."""
+    """Environment that scores these prompts (a row's own "env" field overrides it)."""
 
 
 DataSection = Annotated[
@@ -138,7 +142,11 @@ BackendSection = FSDP2BackendSection
 
 class LearnerSection(Section):
     backend: BackendSection = FSDP2BackendSection()
-    """Training backend (`type: fsdp2`; Megatron-core is not wired in yet)."""
+    """Training backend, chosen by `type` (fsdp2)."""
+    num_ranks: int = Field(1, ge=1)
+    """Training processes; above 1, `rlmesh up` launches the learner under torchrun (rank 0 is the controller)."""
+    max_restarts: int = Field(3, ge=0)
+    """Times torchrun restarts the whole learner job after a rank dies (it resumes from the newest checkpoint)."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate (peak)."""
     lr_schedule: Literal["constant", "linear"] = "constant"
@@ -205,8 +213,8 @@ class QueueSection(Section):
 
 
 class WeightSyncSection(Section):
-    backend: Literal["gloo"] = "gloo"
-    """Broadcast transport (gloo; the NCCL path for GPU hosts is not wired in yet)."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """Broadcast transport: gloo (any host; every transfer digest-verified) or nccl (GPU learner and rollout servers, vLLM's NCCL engine; not yet run on a GPU)."""
     master_address: str = "127.0.0.1"
     """Address the learner's rendezvous store binds to, reachable by rollout servers."""
     store_port: int = Field(0, ge=0, le=65535)

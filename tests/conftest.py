@@ -29,7 +29,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def rlmesh_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "entrypoints.cli", *args]
 
 
 @pytest.fixture

@@ -1,1 +1,19 @@
-"""."""
+"""Training backends behind one interface (`base.TrainingBackend`), chosen by `learner.backend.type`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from learner.backends.base import TrainingBackend
+    from services.config import LearnerSection
+
+
+def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float | None = None) -> TrainingBackend:
+    """The backend `cfg.backend.type` names, loaded from the HF model at `model_path`."""
+    if cfg.backend.type == "fsdp2":
+        from learner.backends.fsdp2 import FSDP2Backend
+
+        return FSDP2Backend(model_path, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
+                            max_grad_norm=cfg.max_grad_norm, param_dtype=cfg.backend.param_dtype, seed=seed)
+    raise ValueError(f"learner.backend.type={cfg.backend.type!r}; choose fsdp2")

@@ -1,14 +1,17 @@
-"""The training-backend interface: the learner drives any backend through these calls."""
+"""The training-backend interface: the learner drives any backend (FSDP2 today, Megatron-core
+next) through these calls, on every rank, from one torch thread per process."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
     from learner.batch import MicroBatch
+    from services.weights.wire import TensorMeta
 
 # loss_fn(logprobs_BT, micro) -> (loss scalar, metrics); logprobs are of input_ids[:, 1:].
 LossFn = Callable[["torch.Tensor", "MicroBatch"], "tuple[torch.Tensor, dict[str, float]]"]
@@ -19,20 +22,28 @@ class TrainingBackend(Protocol):
     world_size: int
 
     def compute_logprobs(self, micro: MicroBatch, temperature: float) -> torch.Tensor:
-        """Per-token logprobs [B, T-1] of the targets, without gradient."""
+        """Per-token logprobs [B, T-1] of the targets, without gradient, on CPU."""
 
     def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float) -> dict[str, float]:
-        """Accumulate gradients over `micros`, clip, step the optimizer; return averaged metrics."""
+        """Accumulate gradients over this rank's `micros` (normalisers span the whole step on all
+        ranks), so the update equals a single-rank step over every rank's micro-batches; clip, step
+        the optimizer. Returns metrics reduced over all ranks: `loss` (summed), `grad_norm`, and
+        the loss function's metrics averaged over real (non-padding) micro-batches."""
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next steps."""
 
+    def weight_metas(self) -> list[TensorMeta]:
+        """HF name, dtype and full shape of every weight, in `full_weights` order; no communication."""
+
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every weight; a collective on every rank."""
+        """(HF name, full tensor) one at a time: a collective that every rank must run to the end."""
 
     def save_pretrained(self, path: str) -> None:
-        """Write an HF model directory (rank 0 writes)."""
+        """Write an HF model directory (rank 0 writes; a collective)."""
 
-    def state_dict_for_checkpoint(self) -> dict: ...
+    def save_checkpoint(self, path: Path) -> None:
+        """Sharded model + optimizer state (torch.distributed.checkpoint); a collective."""
 
-    def load_checkpoint_state(self, state: dict) -> None: ...
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore `save_checkpoint`'s state, on any number of ranks; a collective."""

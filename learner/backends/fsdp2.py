@@ -1,38 +1,25 @@
-"""FSDP2 (`fully_shard`) training backend over an HF causal LM: gloo on CPU, NCCL on GPU."""
+"""FSDP2 (`fully_shard`) training backend over an HF causal LM: gloo on CPU, NCCL on GPU, any
+number of ranks (each decoder layer and the root are sharded over the whole world)."""
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from learner.backends.base import LossFn
 from learner.batch import MicroBatch
-from services.ports import free_port
+from learner.distributed import init_distributed
+from services.weights.wire import TensorMeta
 
 log = logging.getLogger(__name__)
-
-
-def init_distributed() -> tuple[int, int]:
-    """Join torchrun's group when launched by it; otherwise a world of one (gloo on CPU)."""
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size()
 
 
 class FSDP2Backend:
@@ -75,38 +62,55 @@ class FSDP2Backend:
     def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        sums: dict[str, float] = {}
+        num_real, loss_sum = 0.0, 0.0
         for micro in micros:
             logprobs_BT = self._logprobs(micro, temperature)
             # Batch tensors live on CPU; the loss is computed there (a no-op move on CPU hosts).
             loss, metrics = loss_fn(logprobs_BT.cpu(), micro)
-            loss.backward()
+            # FSDP averages gradients over ranks; the loss normalisers already span the whole
+            # step, so scaling by the world size makes the update equal the single-rank one.
+            (loss * self.world_size).backward()
+            real = 0.0 if micro.is_padding else 1.0
+            num_real += real
+            loss_sum += float(loss.detach())
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v / len(micros)
+                sums[k] = sums.get(k, 0.0) + real * v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
+        if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        totals["grad_norm"] = float(grad_norm)
-        return totals
+        keys = sorted(sums)
+        totals = torch.tensor([num_real, loss_sum, *(sums[k] for k in keys)], dtype=torch.float64)
+        if self.world_size > 1:
+            reduced = totals.to(self.device)
+            dist.all_reduce(reduced)
+            totals = reduced.cpu()
+        out = {k: float(totals[2 + i] / max(float(totals[0]), 1.0)) for i, k in enumerate(keys)}
+        out["loss"] = float(totals[1])
+        out["grad_norm"] = float(grad_norm)
+        return out
+
+    def weight_metas(self) -> list[TensorMeta]:
+        return [TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                for name, t in self.model.state_dict().items()]
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        yield from state.items()
+        # One parameter gathered at a time: never a second full copy of the model.
+        for name, t in self.model.state_dict().items():
+            yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
     def save_pretrained(self, path: str) -> None:
         state = dict(self.full_weights())
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
 
-    def state_dict_for_checkpoint(self) -> dict:
-        options = StateDictOptions(full_state_dict=True)
-        return {
-            "model": get_model_state_dict(self.model, options=options),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
-        }
+    def save_checkpoint(self, path: Path) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
 
-    def load_checkpoint_state(self, state: dict) -> None:
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+    def load_checkpoint(self, path: Path) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,6 +1,7 @@
 """Exact-answer arithmetic: the completion (surrounding whitespace aside) must be exactly the
-integer in metadata["answer"]. `answer_in_text` reports, for diagnosis, whether the first integer
-in the completion was right even when the format was not."""
+integer in metadata["answer"]. `correct` is the environment's correctness signal (what held-out
+accuracy reports); `answer_in_text` says, for diagnosis, whether the first integer in the
+completion was right even when the format was not."""
 
 from __future__ import annotations
 
@@ -32,4 +33,4 @@ class ArithmeticEnvironment:
         exact = float(_INT.fullmatch(text) is not None and int(text) == expected)
         match = _INT.search(item.completion)
         in_text = float(match is not None and int(match.group()) == expected)
-        return ScoreOutput(reward=exact, components={"exact": exact, "answer_in_text": in_text})
+        return ScoreOutput(reward=exact, components={"correct": exact, "exact": exact, "answer_in_text": in_text})

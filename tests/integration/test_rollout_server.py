@@ -47,9 +47,9 @@ async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     logs = {name: (tmp / f"{name}.log").open("wb") for name in ("reward", "rollout")}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "services.cli", "reward", "-c", str(cfg_path), "--port", str(reward_port)],
+        subprocess.Popen([sys.executable, "-m", "entrypoints.cli", "reward", "-c", str(cfg_path), "--port", str(reward_port)],
                          stdout=logs["reward"], stderr=subprocess.STDOUT, env=env, start_new_session=True),
-        subprocess.Popen([sys.executable, "-m", "services.cli", "rollout", "-c", str(cfg_path), "--port", "0",
+        subprocess.Popen([sys.executable, "-m", "entrypoints.cli", "rollout", "-c", str(cfg_path), "--port", "0",
                           "--generator-id", "gen-0"], stdout=logs["rollout"], stderr=subprocess.STDOUT, env=env,
                          start_new_session=True),
     ]
@@ -130,7 +130,7 @@ async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_mode
 
     status = await mesh["stub"].GetStatus(rollout_pb2.RolloutStatusRequest(include_weights_hash=True))
     assert status.version == 1 and not status.paused
-    from services.weight_sync import weights_digest
+    from services.weights.wire import weights_digest
 
     assert status.weights_sha256 == weights_digest(named) == mesh["broadcaster"].last_digest
 

@@ -3,7 +3,7 @@ import torch
 
 from learner.algorithms.advantages import group_advantages
 from learner.algorithms.loss import LossConfig, policy_loss
-from learner.batch import Sequence, pack, split_micro_batches
+from learner.batch import Sequence, pack, plan_step
 
 
 def test_grpo_advantages_are_standardised():
@@ -41,7 +41,7 @@ def test_pack_aligns_loss_mask_with_targets():
 
 
 def _micro(seqs):
-    micros = split_micro_batches(seqs, 2, pad_id=0)
+    micros = plan_step(seqs, 2, pad_id=0)
     for m in micros:
         m.old_logprobs_BT = torch.zeros_like(m.loss_mask_BT)
     return micros
@@ -56,7 +56,7 @@ def _seqs():
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo", "dr_grpo", "gspo", "rloo"])
 def test_micro_batch_split_does_not_change_the_loss(algorithm):
     cfg = LossConfig(algorithm, 0.2, 0.28, 2.0, max_tokens=4)
-    whole = split_micro_batches(_seqs(), 8, pad_id=0)[0]
+    whole = plan_step(_seqs(), 8, pad_id=0)[0]
     whole.old_logprobs_BT = torch.zeros_like(whole.loss_mask_BT)
     total_whole = policy_loss(torch.zeros_like(whole.loss_mask_BT), whole, cfg)[0]
     total_split = sum(policy_loss(torch.zeros_like(m.loss_mask_BT), m, cfg)[0] for m in _micro(_seqs()))
@@ -83,3 +83,11 @@ def test_tis_weight_is_truncated_and_mismatch_is_reported():
     assert torch.allclose(logprobs.grad[0, 0], torch.tensor(-2.0)), "weight must be capped at tis_cap"
     assert metrics["tis_truncated_frac"] == 1.0
     assert metrics["mismatch_abs_logprob"] == pytest.approx(5.0)
+
+
+def test_equal_rewards_of_any_value_give_exactly_zero_advantage():
+    # 0.97 * 8 has float rounding in (r - mean); equal rewards must still give exactly zero.
+    for value in (0.97, 0.1, 1e-3, -2.3, 123.456):
+        for name in ("grpo", "dr_grpo", "rloo", "dapo", "gspo"):
+            adv = group_advantages(torch.full((8,), value), name)
+            assert torch.count_nonzero(adv) == 0, (value, name, adv)

@@ -43,39 +43,35 @@ def fingerprint(named) -> dict[str, list[float]]:
     return {n: [float(t.double().sum()), float(t.double().norm())] for n, t in named}
 
 
+def fixed_groups():
+    """The fixed batch as the rollout tier delivers it: TrajectoryGroups."""
+    from rlmesh.v1 import common_pb2
+
+    groups = {}
+    for r in fixed_sequences():
+        g = groups.setdefault(r["group"], common_pb2.TrajectoryGroup(group_id=r["group"], prompt_token_ids=r["prompt"]))
+        g.samples.append(common_pb2.Sample(
+            index=len(g.samples), reward=r["reward"], logprobs=r["behaviour"],
+            completion=common_pb2.TokenSequence(token_ids=r["completion"], loss_mask=[True] * len(r["completion"]))))
+    return [groups[k] for k in sorted(groups)]
+
+
+def make_trainer(model_dir: Path, micro_batch_size: int = 12):
+    from learner.trainer import Trainer
+    from services.config import load_config
+
+    config = load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
+                                "learner.lr=1e-3", "algorithm.name=grpo", "rollout.max_tokens=8",
+                                "learner.torch_threads=1"])
+    return Trainer(config, str(model_dir), pad_id=0)
+
+
 def run_steps(model_dir: Path) -> dict:
-    from functools import partial
-
-    from learner.algorithms.advantages import group_advantages
-    from learner.algorithms.loss import LossConfig, policy_loss
-    from learner.backends.fsdp2 import FSDP2Backend
-    from learner.batch import Sequence, split_micro_batches
-
-    torch.set_num_threads(1)
-    backend = FSDP2Backend(str(model_dir), lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, seed=0)
-    cfg = LossConfig("grpo", 0.2, 0.2, 2.0, 8)
-    rows = fixed_sequences()
-    seqs = []
-    for g in sorted({r["group"] for r in rows}):
-        members = [r for r in rows if r["group"] == g]
-        adv = group_advantages(torch.tensor([r["reward"] for r in members]), "grpo")
-        seqs += [Sequence(r["prompt"], r["completion"], [True] * len(r["completion"]), r["behaviour"], a, g)
-                 for r, a in zip(members, adv.tolist())]
-    losses = []
-    for _ in range(NUM_STEPS):
-        micros = split_micro_batches(seqs, 12, 0)
-        for m in micros:
-            m.old_logprobs_BT = backend.compute_logprobs(m, 1.0)
-        step_loss = []
-
-        def loss_fn(logprobs_BT, micro):
-            loss, metrics = policy_loss(logprobs_BT, micro, cfg=cfg)
-            step_loss.append(float(loss))
-            return loss, metrics
-
-        backend.train_step(micros, loss_fn, 1.0)
-        losses.append(sum(step_loss))
-    return {"loss": losses, "weights": fingerprint(backend.full_weights())}
+    """The real learner path: GRPO objective -> run_step -> FSDP2 backend."""
+    trainer = make_trainer(model_dir)
+    seqs = trainer.objective.sequences(fixed_groups())
+    losses = [trainer.step(seqs, 1e-3)["loss"] for _ in range(NUM_STEPS)]
+    return {"loss": losses, "weights": fingerprint(trainer.stream_weights())}
 
 
 def test_grpo_step_matches_the_committed_baseline(tiny_model_dir):

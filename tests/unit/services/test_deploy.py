@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from services.cli import build_parser
+from entrypoints.cli import build_parser
 from services.config import load_config
 
 REPO = Path(__file__).resolve().parents[3]

@@ -11,6 +11,8 @@ _EXAMPLES = """examples:
   rlmesh up -c examples/arithmetic_grpo.yaml learner.num_steps=5 algorithm.max_staleness=0
   rlmesh reward -c run.yaml --port 50052                     # one tier on its own
   rlmesh config -c examples/arithmetic_grpo.yaml learner.lr=1e-4   # print the resolved config
+  rlmesh up -c examples/arithmetic_grpo.yaml learner.num_ranks=2    # learner as a 2-rank torchrun job
+  rlmesh export runs/arithmetic-grpo-... --output final_hf        # newest checkpoint -> HF model dir
 """
 
 
@@ -35,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(up)
     up.add_argument("--run-dir", help="use this run directory instead of a fresh one")
 
-    learner = sub.add_parser("learner", help="run the learner (trainer + controller)")
+    learner = sub.add_parser("learner", help="run the learner (trainer + controller); under torchrun, every rank "
+                                                  "runs this and rank 0 is the controller")
     _add_config_args(learner)
     learner.add_argument("--run-dir", required=True, help="run directory (metrics, checkpoints)")
     learner.add_argument("--port", type=int, default=None, help="gRPC port (default: from network.learner_address)")
@@ -60,11 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     cfg = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config_args(cfg)
+
+    export = sub.add_parser("export", help="write a Hugging Face model directory from a run's checkpoint")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="run directory (holds checkpoints/step_*)")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    export.add_argument("--output", required=True, help="directory to write the HF model to")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     from services.config import ConfigError, load_config
 
     try:
@@ -79,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     if args.command == "up":
-        from services.launcher import run_up
+        from entrypoints.up import run_up
 
         return run_up(config, args)
     if args.command == "reward":
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return rollout_main(config, args)
     if args.command == "learner":
-        from learner.driver import main as learner_main
+        from learner.controller import main as learner_main
 
         return learner_main(config, args)
     if args.command == "sft":
@@ -105,6 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         print(args.output)
         return 0
     raise AssertionError(args.command)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from learner.checkpoint import export_hf, find_checkpoint
+
+    try:
+        checkpoint = find_checkpoint(Path(args.run_dir), args.step)
+    except ValueError as err:
+        print(f"rlmesh export: {err}", file=sys.stderr)
+        return 2
+    out = export_hf(checkpoint, Path(args.output))
+    print(f"rlmesh export: {checkpoint} -> {out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -44,12 +44,13 @@ class Mesh:
         self.valkey = None
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, argv: list[str]) -> Service:
+    def spawn(self, name: str, argv: list[str], launcher: list[str] | None = None) -> Service:
         log_path = self.run_dir / "logs" / f"{name}.log"
         out = log_path.open("ab")
-        # Own session: stopping the service's process group also stops its children (vLLM's engine).
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=os.getcwd())
+        # Own session: stopping the service's process group also stops its children (vLLM's engine,
+        # torchrun's ranks).
+        cmd = [sys.executable, *(launcher or []), "-m", "entrypoints.cli", *argv]
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=os.getcwd())
         svc = Service(name, proc, log_path)
         self.services.append(svc)
         log.info("started %s (pid %d), log: %s", name, proc.pid, log_path)
@@ -147,7 +148,8 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
     base = ["-c", str(resolved_path)]
 
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
-    learner = mesh.spawn("learner", ["learner", *base, "--run-dir", str(run_dir), "--port", str(learner_port)])
+    learner = mesh.spawn("learner", ["learner", *base, "--run-dir", str(run_dir), "--port", str(learner_port)],
+                         launcher=torchrun_args(config))
     for i in range(config.rollout.num_servers):
         mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}"])
 
@@ -157,6 +159,15 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
         asyncio.run(wait_for_serving(f"{host}:{port}", what=f"{name} server", timeout_s=300))
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
     return _watch(mesh, learner, config, run_dir)
+
+
+def torchrun_args(config: RunConfig) -> list[str] | None:
+    """The learner as a torchrun job when it has more than one rank. torchrun restarts the whole
+    job (from the newest checkpoint) when any rank dies, up to `learner.max_restarts` times."""
+    if config.learner.num_ranks == 1:
+        return None
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config.learner.num_ranks}",
+            f"--max-restarts={config.learner.max_restarts}", "--monitor-interval=1"]
 
 
 def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> int:

@@ -1,0 +1,359 @@
+"""`rlmesh learner`: the controller. Owns setup, resume and the main loop on rank 0 — issue prompt
+groups within the staleness bound, admit trajectory groups, train, broadcast weights, evaluate,
+checkpoint, ack — and wires the components, none of which import it. Other ranks only follow
+rank 0's training commands (`learner.trainer`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import uvloop
+from google.protobuf.message import DecodeError
+
+from learner.admission import Admission, staleness
+from learner.data import load_dataset
+from learner.evaluator import Arrivals, Evaluator
+from learner.issuer import PromptIssuer
+from learner.membership import LearnerService, Membership
+from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+from services.auth import TLSFiles, load_token
+from services.config import HFModelSection, RunConfig
+from services.grpc_server import start_server
+from services.queue import StreamQueue, connect
+from services.telemetry import setup_logging
+
+log = logging.getLogger("rlmesh.learner")
+SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
+CONSUMER = "learner"
+
+
+def require_model_path(config: RunConfig) -> str:
+    if not isinstance(config.model, HFModelSection):
+        raise ValueError("the learner needs model.type=hf with model.path; `rlmesh up` prepares the model")
+    return config.model.path
+
+
+class Controller:
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        self.model_path = require_model_path(config)
+        self.config, self.run_dir = config, run_dir
+        self.run_id = f"{config.run.name}-{uuid.uuid4().hex[:8]}"
+        self.version = 0
+        self.k = config.algorithm.max_staleness
+        self.B = config.learner.groups_per_step
+        self.unacked: list[str] = []  # trajectory entries trained on, acked after the next checkpoint
+        # Train groups read while evaluating, not yet admitted into the buffer.
+        self.held_back: Arrivals = []
+        self.max_staleness_seen = 0
+        self.resumed_from: int | None = None
+        self.first_eval: dict | None = None
+        self._last_arrival = self._last_wait_log = time.monotonic()
+        # All torch work, collectives included, runs on this one thread, off the event loop.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+
+    async def _torch(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    async def setup(self, port: int) -> None:
+        from transformers import AutoTokenizer
+
+        from learner.broadcast import WeightBroadcaster, WeightSource
+        from learner.metrics import MetricsWriter
+        from learner.trainer import Trainer
+        from services.weights.base import build_transport
+
+        cfg = self.config
+        token = load_token(cfg.network.token_file, cfg.network.token_env)
+        redis = connect(cfg.queue.url)
+        self.prompts = StreamQueue(redis, cfg.queue.prompt_stream, group="rollout", max_len=cfg.queue.max_len,
+                                   claim_idle_ms=cfg.queue.claim_idle_ms)
+        self.trajectories = StreamQueue(redis, cfg.queue.trajectory_stream, group="learner",
+                                        max_len=cfg.queue.max_len, claim_idle_ms=cfg.queue.claim_idle_ms)
+        await self.prompts.ensure_group()
+        await self.trajectories.ensure_group()
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.trainer = await self._torch(lambda: Trainer(cfg, self.model_path, pad_id=self.tokenizer.pad_token_id))
+        self.weights = WeightSource(self.trainer.weight_metas, self.trainer.stream_weights)
+
+        self.membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s)
+        service = LearnerService(self.membership, self.run_id, self.status, lambda: self.version)
+        self.server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, SERVICE_NAME)],
+                                         host=cfg.network.host, port=port, token=token, tls=TLSFiles.from_env())
+        log.info("learner control plane on port %d (run %s, %d training rank(s))", self.server.port, self.run_id,
+                 self.trainer.world_size)
+        self.broadcaster = WeightBroadcaster(self.membership, cfg.weight_sync, build_transport(cfg.weight_sync),
+                                             self._torch)
+
+        train_set, eval_set = load_dataset(cfg.data, cfg.run.seed)
+        self.issuer = PromptIssuer(self.prompts, self.run_id, train_set, group_size=cfg.algorithm.group_size,
+                                   groups_per_step=self.B, max_staleness=self.k)
+        self.metrics = MetricsWriter(self.run_dir)
+        # Which trajectory groups each version was trained on: the audit trail for exactly-once.
+        self.trained_log = MetricsWriter(self.run_dir, "trained_groups.jsonl")
+        self.dropped_log = MetricsWriter(self.run_dir, "dropped_groups.jsonl")
+        self.admission = Admission(self.trajectories, self.dropped_log, max_staleness=self.k,
+                                   drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
+                                   on_returned=self.issuer.returned)
+        self.evaluator = Evaluator(eval_set, self.issuer, self.trajectories, self._read, self.sync_generators)
+        await self._resume()
+
+    async def _resume(self) -> None:
+        """Continue from the newest durable checkpoint, if any: restore weights, optimizer, RNG,
+        version, data cursor and the trained group ids, then replay this consumer's unacked
+        trajectories (trained after that checkpoint, or never trained) through admission."""
+        from learner.checkpoint import latest_checkpoint, load_trainer_state
+
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            return
+        state = load_trainer_state(ckpt)
+        await self._torch(self.trainer.load, ckpt)
+        self.version = int(state["version"])
+        self.admission.trained_groups = set(state["trained_groups"])
+        self.issuer.cursor = int(state.get("train_cursor", 0))
+        self.first_eval = state.get("first_eval")
+        for name, value in state.get("counters", {}).items():
+            setattr(self.admission, name, value)
+        # Prompts issued before the restart still come back as trajectories: count them in flight.
+        self.issuer.in_flight = (await self.prompts.depth()).length + (await self.trajectories.depth()).lag
+        replay = await self.trajectories.read_own_pending(CONSUMER, count=100000)
+        for entry in replay:
+            try:
+                self.held_back.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
+            except DecodeError:
+                await self.trajectories.ack(entry.id)
+        self.resumed_from = self.version
+        log.info("resumed from %s at version %d: %d trained groups on record, %d unacked trajectories to "
+                 "replay, ~%d groups in flight", ckpt.name, self.version, len(self.admission.trained_groups),
+                 len(replay), self.issuer.in_flight)
+
+    async def sync_generators(self) -> None:
+        """Bring generators that hold other weights (late joiners, survivors of a learner restart)
+        to the current version now, rather than after the next step: they serve nothing until then."""
+        if self.membership.out_of_date(self.version):
+            await self.broadcaster.broadcast(self.version, self.weights)
+
+    def status(self) -> learner_pb2.LearnerStatusResponse:
+        now = time.monotonic()
+        return learner_pb2.LearnerStatusResponse(
+            run_id=self.run_id, version=self.version, step=self.version, num_inflight_groups=self.issuer.in_flight,
+            num_dropped_stale=self.admission.num_dropped_stale,
+            generators=[learner_pb2.GeneratorInfo(generator_id=g.generator_id, address=g.address, version=g.version,
+                                                  in_group=g.in_group, seconds_since_heartbeat=now - g.last_seen)
+                        for g in self.membership.generators.values()])
+
+    # --- consuming -------------------------------------------------------------------------------
+
+    async def _read(self) -> Arrivals:
+        entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
+        now = time.monotonic()
+        if entries:
+            self._last_arrival = now
+        elif now - self._last_arrival > 30 and now - self._last_wait_log > 30:
+            self._last_wait_log = now
+            depth = await self.prompts.depth()
+            gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
+            log.warning("no trajectories for %.0fs: %d groups in flight, prompt stream %d unacked (%d undelivered), "
+                        "generators: %s", now - self._last_arrival, self.issuer.in_flight, depth.length, depth.lag, gens)
+        out = []
+        for entry in entries:
+            try:
+                out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
+            except DecodeError as err:
+                log.error("trajectory entry %s is not a TrajectoryGroup (%s); dropped", entry.id, err)
+                self.admission.num_dropped_other += 1
+                await self.trajectories.ack(entry.id)
+        return out
+
+    def learning_rate(self) -> float:
+        """The schedule's rate for the step that takes version `self.version` to the next."""
+        cfg = self.config.learner
+        if cfg.lr_schedule == "constant":
+            return cfg.lr
+        progress = self.version / max(cfg.num_steps - 1, 1)
+        return cfg.lr * (1 - (1 - cfg.lr_final_ratio) * min(progress, 1.0))
+
+    async def evaluate(self) -> dict:
+        record = await self.evaluator.run(self.version, self.held_back)
+        self.metrics.write(record)
+        if self.first_eval is None:
+            self.first_eval = record
+        return record
+
+    # --- main loop -------------------------------------------------------------------------------
+
+    async def _checkpoint(self) -> Path:
+        from learner.checkpoint import save_checkpoint
+
+        a = self.admission
+        state = {"trained_groups": sorted(a.trained_groups), "run_id": self.run_id, "train_cursor": self.issuer.cursor,
+                 "lr_schedule": {"kind": self.config.learner.lr_schedule, "next_lr": self.learning_rate()},
+                 "first_eval": self.first_eval,
+                 "counters": {"num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
+                              "num_duplicates": a.num_duplicates}}
+        path = await self._torch(save_checkpoint, self.run_dir / "checkpoints", self.version, self.trainer,
+                                 self.model_path, state, self.config.checkpoint.keep_last)
+        # Only now is the training on these trajectories durable: ack them.
+        acked = await self.trajectories.ack(*self.unacked)
+        log.info("checkpoint %s written; acked %d trajectory groups", path.name, acked)
+        self.unacked = []
+        return path
+
+    async def wait_for_generators(self) -> None:
+        want, t0, last = self.config.learner.min_generators, time.monotonic(), 0.0
+        while len(self.membership.generators) < want:
+            if time.monotonic() - last > 10:
+                log.info("waiting for %d rollout server(s) to register (have %d, %.0fs)", want,
+                         len(self.membership.generators), time.monotonic() - t0)
+                last = time.monotonic()
+            await asyncio.sleep(0.5)
+        await self.sync_generators()
+
+    async def _fill(self, ready: Arrivals) -> Arrivals:
+        """Admit arrivals until a step's worth of groups is ready, issuing prompts as room frees."""
+        arrivals, self.held_back = self.held_back, []
+        while len(ready) < self.B:
+            for e, g in arrivals:
+                if g.prompt.split != "train":
+                    await self.trajectories.ack(e.id)
+                elif await self.admission.accept(e, g, self.version):
+                    ready.append((e, g))
+            if len(ready) >= self.B:
+                break
+            await self.issuer.issue_train(len(ready), self.version)
+            await self.sync_generators()
+            arrivals = await self._read()
+        return ready
+
+    async def train(self) -> dict:
+        cfg = self.config
+        await self.wait_for_generators()
+        before = await self.evaluate()
+        ready: Arrivals = []
+        t_last = time.monotonic()
+        while self.version < cfg.learner.num_steps:
+            # Leftovers from the last step are one version older now: re-check them.
+            ready = [(e, g) for e, g in ready if not await self.admission.drop_if_stale(e, g, self.version)]
+            ready = await self._fill(ready)
+            # Oldest first: leftovers are the freshest groups, so fewer of them age past the bound.
+            ready.sort(key=lambda eg: staleness(eg[1], self.version), reverse=True)
+            batch, ready = ready[: self.B], ready[self.B :]
+            groups = [g for _, g in batch]
+            ages = [staleness(g, self.version) for g in groups]
+            self.max_staleness_seen = max(self.max_staleness_seen, max(ages))
+            t_step = time.monotonic()
+            seqs = self.trainer.objective.sequences(groups)
+            train_metrics = await self._torch(self.trainer.step, seqs, self.learning_rate())
+            train_s = time.monotonic() - t_step
+            self.version += 1
+            for e, g in batch:
+                self.admission.trained_groups.add(g.group_id)
+                self.unacked.append(e.id)
+            self.trained_log.write({"version": self.version, "group_ids": [g.group_id for g in groups]})
+            bc = await self.broadcaster.broadcast(self.version, self.weights)
+            self._log_step(groups, ages, train_metrics, bc, train_s, t_last)
+            t_last = time.monotonic()
+            every = cfg.checkpoint.every_n_steps
+            if every and self.version % every == 0 and self.version < cfg.learner.num_steps:
+                await self._checkpoint()
+            if cfg.learner.eval_every and self.version % cfg.learner.eval_every == 0 and self.version < cfg.learner.num_steps:
+                await self.evaluate()
+        after = await self.evaluate()
+        checkpoint = await self._checkpoint()
+        # Groups still in flight when training ends were never trained on; leave them pending.
+        return await self._summary(before, after, checkpoint)
+
+    def _log_step(self, groups, ages, train_metrics, bc, train_s, t_last) -> None:
+        a = self.admission
+        samples = [s for g in groups for s in g.samples if not s.error]
+        num_tokens = sum(len(s.completion.token_ids) for s in samples)
+        now = time.monotonic()
+        record = {
+            "kind": "train", "version": self.version, "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "num_groups": len(groups), "num_samples": len(samples), "num_tokens": num_tokens,
+            "tokens_per_s": num_tokens / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
+            "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages), "max_staleness": self.k,
+            "num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
+            "num_duplicates": a.num_duplicates, "in_flight": self.issuer.in_flight,
+            "num_ranks": self.trainer.world_size, **train_metrics, **bc,
+            "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
+        }
+        self.metrics.write(record)
+        log.info("step %d reward %.3f staleness<=%d mismatch_kl %.2e %.0f tok/s", self.version,
+                 record["reward_mean"], record["staleness_max"], record.get("mismatch_kl", 0.0), record["tokens_per_s"])
+
+    async def _summary(self, before: dict, after: dict, checkpoint: Path) -> dict:
+        from services.weights.wire import weights_digest
+
+        a, first = self.admission, self.first_eval or before
+        learner_digest = await self._torch(lambda: weights_digest(self.trainer.stream_weights(),
+                                                                  self.trainer.weight_metas()))
+        summary = {
+            "run_id": self.run_id, "num_steps": self.version, "max_staleness": self.k, "resumed_from": self.resumed_from,
+            "num_ranks": self.trainer.world_size, "weight_transport": self.config.weight_sync.backend,
+            "held_out_accuracy_before": first["accuracy"], "held_out_accuracy_after": after["accuracy"],
+            "held_out_accuracy_at_start_of_this_process": before["accuracy"],
+            "max_staleness_seen": self.max_staleness_seen, "num_dropped_stale": a.num_dropped_stale,
+            "num_dropped_other": a.num_dropped_other, "num_duplicates": a.num_duplicates,
+            "weights_sent_versions": len(self.broadcaster.sent_versions),
+            "weights_verified_versions": len(self.broadcaster.verified_versions),
+            "last_weights_sha256": self.broadcaster.last_digest,
+            "learner_weights_sha256": learner_digest,
+            "checkpoint": str(checkpoint),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+async def run(config: RunConfig, args: argparse.Namespace) -> None:
+    setup_logging("learner", config.logging.level)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = args.port if args.port is not None else int(config.network.learner_address.rsplit(":", 1)[1])
+    controller = Controller(config, run_dir)
+    await controller.setup(port)
+    try:
+        summary = await controller.train()
+        from learner.metrics import plot_reward_curve
+
+        plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
+        log.info("done: %s", json.dumps(summary))
+    finally:
+        await controller._torch(controller.trainer.stop)
+        controller.metrics.close()
+        controller.trained_log.close()
+        controller.dropped_log.close()
+        await controller.server.stop(2.0)
+
+
+def follow(config: RunConfig) -> None:
+    """A training rank other than 0: build the same model, then run rank 0's commands."""
+    from transformers import AutoTokenizer
+
+    from learner.trainer import Trainer
+
+    setup_logging(f"learner-rank{os.environ.get('RANK')}", config.logging.level)
+    path = require_model_path(config)
+    Trainer(config, path, pad_id=AutoTokenizer.from_pretrained(path).pad_token_id).follow()
+
+
+def main(config: RunConfig, args: argparse.Namespace) -> int:
+    require_model_path(config)
+    if int(os.environ.get("RANK", "0")) != 0:
+        follow(config)
+    else:
+        uvloop.run(run(config, args))
+    return 0

@@ -1,0 +1,53 @@
+"""The learner as a distributed job: joining torchrun's process group, and the command channel
+by which rank 0 (the controller) tells the other ranks which collective to run next.
+
+Every rank runs the same sequence of collectives in the same order: rank 0 announces a command
+(a small pickled tuple over a dedicated gloo group, so it works beside NCCL training too), then
+every rank runs it. Only rank 0 talks to gRPC, Redis and the rollout servers."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.ports import free_port
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join torchrun's group when launched by it (RANK set); otherwise a world of one. Picks
+    LOCAL_RANK's GPU where there are GPUs."""
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+class CommandChannel:
+    """Rank 0 -> all ranks: (command, payload) broadcasts. A no-op in a world of one."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Followers wait here while rank 0 waits on rollouts: a long timeout, not the default 30 min.
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(days=7)) if self.world_size > 1 else None
+
+    def announce(self, command: str, payload: Any = None) -> None:
+        assert self.rank == 0, "only the controller announces"
+        if self._group is not None:
+            dist.broadcast_object_list([command, payload], src=0, group=self._group)
+
+    def receive(self) -> tuple[str, Any]:
+        box: list[Any] = [None, None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0], box[1]

@@ -1,0 +1,65 @@
+"""Held-out evaluation through the rollout tier: one greedy completion per eval prompt, scored by
+the environment. Accuracy is the environment's own correctness signal (its `correct` reward
+component) where it reports one, and the mean reward otherwise (the record says which)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from learner.data import Example
+from learner.issuer import PromptIssuer
+from rlmesh.v1 import common_pb2
+from services.queue import Entry, StreamQueue
+
+log = logging.getLogger(__name__)
+
+CORRECT = "correct"
+
+Arrivals = list[tuple[Entry, common_pb2.TrajectoryGroup]]
+
+
+def correctness(sample: common_pb2.Sample) -> float:
+    return sample.reward_components[CORRECT] if CORRECT in sample.reward_components else sample.reward
+
+
+class Evaluator:
+    def __init__(self, eval_set: list[Example], issuer: PromptIssuer, trajectories: StreamQueue,
+                 read: Callable[[], Awaitable[Arrivals]], between_reads: Callable[[], Awaitable[None]],
+                 timeout_s: float = 600.0) -> None:
+        self.eval_set, self.issuer, self.trajectories = eval_set, issuer, trajectories
+        self.read, self.between_reads, self.timeout_s = read, between_reads, timeout_s
+
+    async def run(self, version: int, held_back: Arrivals) -> dict:
+        """Evaluate at `version`; train groups that arrive meanwhile are appended to `held_back`."""
+        pending = set()
+        for ex in self.eval_set:
+            group = self.issuer.prompt_group(ex, "eval", 1, version, greedy=True)
+            await self.issuer.publish(group)
+            pending.add(group.group_id)
+        t0, results = time.monotonic(), []
+        while pending:
+            await self.between_reads()
+            for entry, group in await self.read():
+                if group.group_id in pending:
+                    pending.discard(group.group_id)
+                    results.append(group.samples[0])
+                    await self.trajectories.ack(entry.id)
+                elif group.prompt.split == "train":
+                    held_back.append((entry, group))
+                else:  # an eval group of an earlier round (e.g. before a restart)
+                    await self.trajectories.ack(entry.id)
+            if time.monotonic() - t0 > self.timeout_s:
+                raise TimeoutError(f"{len(pending)} eval groups not back after {self.timeout_s:.0f}s; "
+                                   "is a rollout server running?")
+        scored = [s for s in results if not s.error]
+        has_signal = bool(scored) and all(CORRECT in s.reward_components for s in scored)
+        accuracy = sum(correctness(s) for s in scored) / max(len(results), 1)
+        record = {"kind": "eval", "version": version, "accuracy": accuracy,
+                  "accuracy_source": "env_correct" if has_signal else "mean_reward",
+                  "reward_mean": sum(s.reward for s in scored) / max(len(scored), 1),
+                  "num_prompts": len(results), "num_errors": len(results) - len(scored),
+                  "eval_s": time.monotonic() - t0}
+        log.info("held-out accuracy at version %d: %.3f (%d prompts)", version, accuracy, len(results))
+        return record

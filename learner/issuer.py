@@ -1,0 +1,52 @@
+"""Prompt issuing: turns dataset examples into prompt groups on the prompt stream, and keeps at
+most (max_staleness + 1) * groups_per_step train groups outstanding, so that nothing older than
+`max_staleness` is ever generated: generators hold version >= v when they read a group issued at
+version v (a broadcast finishes before new groups are issued)."""
+
+from __future__ import annotations
+
+from google.protobuf.struct_pb2 import Struct
+
+from learner.data import Example
+from rlmesh.v1 import common_pb2
+from services.queue import StreamQueue
+
+
+class PromptIssuer:
+    def __init__(self, prompts: StreamQueue, run_id: str, train_set: list[Example], *, group_size: int,
+                 groups_per_step: int, max_staleness: int) -> None:
+        self.prompts, self.run_id, self.train_set = prompts, run_id, train_set
+        self.group_size, self.B, self.k = group_size, groups_per_step, max_staleness
+        self.in_flight = 0  # train groups issued and not yet back
+        self.num_issued = 0
+        self.cursor = 0  # next train example (saved in checkpoints)
+
+    def prompt_group(self, ex: Example, split: str, n: int, version: int, greedy: bool) -> common_pb2.PromptGroup:
+        self.num_issued += 1
+        metadata = Struct()
+        metadata.update(ex.metadata)
+        group = common_pb2.PromptGroup(
+            group_id=f"{self.run_id}/{split}/{self.num_issued}/{ex.id}", run_id=self.run_id,
+            messages=[common_pb2.ChatMessage(**m) for m in ex.prompt_messages], env_name=ex.env,
+            env_metadata=metadata, n=n, issued_at_version=version, split=split)
+        if greedy:
+            group.sampling.temperature = 0.0
+        return group
+
+    async def publish(self, group: common_pb2.PromptGroup) -> None:
+        await self.prompts.publish(group.group_id, group.SerializeToString())
+
+    async def issue_train(self, num_buffered: int, version: int) -> int:
+        """Top the outstanding train groups (in flight + buffered) back up to the bound; returns
+        how many were issued."""
+        budget = max((self.k + 1) * self.B - self.in_flight - num_buffered, 0)
+        for _ in range(budget):
+            ex = self.train_set[self.cursor % len(self.train_set)]
+            self.cursor += 1
+            await self.publish(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
+            self.in_flight += 1
+        return budget
+
+    def returned(self) -> None:
+        """A train group came back (trained, dropped or not)."""
+        self.in_flight = max(self.in_flight - 1, 0)

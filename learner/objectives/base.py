@@ -1,0 +1,48 @@
+"""The objective interface, and the one step function every objective trains through.
+
+An objective turns what the controller collected (trajectory groups, SFT examples, preference
+pairs) into `Sequence`s on rank 0, and supplies the loss every rank computes on its share. The
+step itself (sharding, micro-batches, old logprobs, optimizer) is common to all objectives."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from learner.backends.base import TrainingBackend
+    from learner.batch import MicroBatch, Sequence
+
+
+class Objective(Protocol):
+    name: str
+    needs_old_logprobs: bool
+    """Recompute the learner's own logprobs (pi_old) before the step, for ratio-based losses."""
+
+    def loss(self, logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of one micro-batch, normalised by the whole step's counts (micro-batch invariant)."""
+
+
+def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence], *, micro_batch_size: int,
+             pad_id: int, temperature: float, lr: float) -> dict[str, float]:
+    """One optimizer step over the whole batch `seqs`; called on every rank with the same `seqs`."""
+    from learner.batch import plan_step
+
+    micros = plan_step(seqs, micro_batch_size, pad_id, backend.rank, backend.world_size)
+    if objective.needs_old_logprobs:
+        for m in micros:
+            m.old_logprobs_BT = backend.compute_logprobs(m, temperature)
+    backend.set_lr(lr)
+    return {**backend.train_step(micros, objective.loss, temperature), "lr": lr}
+
+
+def build_objective(name: str, config) -> Objective:
+    """The objective for a run: `sft`, or the GRPO family member `algorithm.name` names."""
+    if name == "sft":
+        from learner.objectives.sft import SFTObjective
+
+        return SFTObjective()
+    from learner.objectives.grpo import GRPOObjective
+
+    return GRPOObjective(config.algorithm, max_tokens=config.rollout.max_tokens)

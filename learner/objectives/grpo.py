@@ -1,0 +1,38 @@
+"""The GRPO family as an objective: group-relative advantages from trajectory groups, and the
+clipped policy-gradient loss with off-policy correction (`learner.algorithms`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from learner.algorithms.advantages import group_advantages
+from learner.algorithms.loss import LossConfig, policy_loss
+from learner.batch import MicroBatch, Sequence
+
+if TYPE_CHECKING:
+    from rlmesh.v1 import common_pb2
+    from services.config import AlgorithmSection
+
+
+class GRPOObjective:
+    needs_old_logprobs = True
+
+    def __init__(self, cfg: AlgorithmSection, *, max_tokens: int) -> None:
+        self.name = cfg.name
+        self.cfg = LossConfig(cfg.name, cfg.clip_low, cfg.clip_high, cfg.tis_cap, max_tokens)
+
+    def sequences(self, groups: list[common_pb2.TrajectoryGroup]) -> list[Sequence]:
+        """One sequence per valid sample, its advantage computed within its group."""
+        seqs = []
+        for g in groups:
+            valid = [s for s in g.samples if not s.error]
+            adv = group_advantages(torch.tensor([s.reward for s in valid]), self.name)
+            for s, a in zip(valid, adv.tolist()):
+                seqs.append(Sequence(list(g.prompt_token_ids), list(s.completion.token_ids),
+                                     list(s.completion.loss_mask), list(s.logprobs), a, g.group_id))
+        return seqs
+
+    def loss(self, logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        return policy_loss(logprobs_BT, micro, self.cfg)

@@ -1,0 +1,108 @@
+"""Every learner rank's training side: the backend and objective, driven by rank 0.
+
+On rank 0 the controller calls `step`, `stream_weights`, `save`, ... on its one torch thread;
+each announces itself on the command channel, then runs the same collective locally. The other
+ranks sit in `follow`, running what rank 0 announces, until `stop`."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from learner.backends import build_backend
+from learner.distributed import CommandChannel, init_distributed
+from learner.objectives.base import Objective, build_objective, run_step
+
+if TYPE_CHECKING:
+    from learner.batch import Sequence
+    from services.config import RunConfig
+    from services.weights.wire import TensorMeta
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, model_path: str, objective: str = "grpo", *, lr: float | None = None,
+                 pad_id: int = 0) -> None:
+        torch.set_num_threads(config.learner.torch_threads)
+        self.rank, self.world_size = init_distributed()
+        self.config, self.pad_id = config, pad_id
+        self.backend = build_backend(config.learner, model_path, seed=config.run.seed, lr=lr)
+        self.objective: Objective = build_objective(objective, config)
+        self.channel = CommandChannel()
+        self.temperature = config.rollout.temperature if objective != "sft" else 1.0
+
+    # --- rank 0: announce, then run the same collective here --------------------------------------
+
+    def step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
+        self.channel.announce("step", (seqs, lr))
+        return self._step(seqs, lr)
+
+    def weight_metas(self) -> list[TensorMeta]:
+        return self.backend.weight_metas()
+
+    def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.channel.announce("weights")
+        yield from self.backend.full_weights()
+
+    def save(self, path: Path) -> None:
+        self.channel.announce("save", str(path))
+        self._save(str(path))
+
+    def load(self, path: Path) -> None:
+        self.channel.announce("load", str(path))
+        self._load(str(path))
+
+    def save_pretrained(self, path: Path) -> None:
+        self.channel.announce("save_pretrained", str(path))
+        self.backend.save_pretrained(str(path))
+
+    def stop(self) -> None:
+        self.channel.announce("stop")
+
+    # --- the collectives, identical on every rank -------------------------------------------------
+
+    def _step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
+        return run_step(self.backend, self.objective, seqs, micro_batch_size=self.config.learner.micro_batch_size,
+                        pad_id=self.pad_id, temperature=self.temperature, lr=lr)
+
+    def _save(self, path: str) -> None:
+        self.backend.save_checkpoint(Path(path) / "dcp")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
+                   Path(path) / f"rng_rank{self.rank}.pt")
+
+    def _load(self, path: str) -> None:
+        self.backend.load_checkpoint(Path(path) / "dcp")
+        # A checkpoint from fewer ranks has no RNG state for this rank: take rank 0's.
+        rng = Path(path) / f"rng_rank{self.rank}.pt"
+        state = torch.load(rng if rng.is_file() else Path(path) / "rng_rank0.pt", weights_only=False)
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+
+    # --- ranks > 0 ----------------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Run rank 0's commands until it says stop (or its death breaks the group)."""
+        log.info("learner rank %d/%d following rank 0", self.rank, self.world_size)
+        while True:
+            command, payload = self.channel.receive()
+            if command == "stop":
+                return
+            if command == "step":
+                self._step(*payload)
+            elif command == "weights":
+                for _ in self.backend.full_weights():
+                    pass
+            elif command == "save":
+                self._save(payload)
+            elif command == "load":
+                self._load(payload)
+            elif command == "save_pretrained":
+                self.backend.save_pretrained(payload)
+            else:
+                raise AssertionError(f"unknown learner command {command!r}")

@@ -1,0 +1,1 @@
+"""Learner -> rollout weight transports (gloo, NCCL) and the wire layout they share."""

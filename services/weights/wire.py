@@ -1,0 +1,87 @@
+"""The weight wire layout every transport shares: tensor metadata in a fixed order, grouped into
+dtype-homogeneous buckets that sender, receiver and digest all compute from the same metadata.
+Imports torch: never import this from config or contract code."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+BUCKET_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * getattr(torch, self.dtype).itemsize
+
+
+def describe(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    return [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
+
+
+def buckets(metas: list[TensorMeta], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Consecutive runs of same-dtype tensors up to `bucket_bytes` each (both sides compute this
+    from the same metadata, so the split agrees)."""
+    out: list[list[int]] = []
+    size = 0
+    for i, m in enumerate(metas):
+        if out and metas[out[-1][0]].dtype == m.dtype and size + m.nbytes <= bucket_bytes:
+            out[-1].append(i)
+            size += m.nbytes
+        else:
+            out.append([i])
+            size = m.nbytes
+    return out
+
+
+def flat_buckets(named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> Iterator[torch.Tensor]:
+    """Each bucket's tensors, on CPU, concatenated into one flat tensor (the wire layout). Streams:
+    `named` is consumed one tensor at a time and at most one bucket is held, so a sender that
+    gathers full tensors on the fly never keeps a second full copy of the model."""
+    it = iter(named)
+    for idx in buckets(metas):
+        parts = []
+        for i in idx:
+            name, tensor = next(it)
+            m = metas[i]
+            if name != m.name or tuple(tensor.shape) != m.shape:
+                raise ValueError(f"weight stream out of order: got {name} {tuple(tensor.shape)}, layout says "
+                                 f"{m.name} {m.shape}")
+            parts.append(tensor.detach().to("cpu").reshape(-1))
+        yield torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta] | None = None) -> str:
+    """sha256 over the weights in wire order and layout (equals what a verifying transport sends)."""
+    if metas is None:
+        named = list(named)
+        metas = describe(named)
+    digest = hashlib.sha256()
+    for flat in flat_buckets(named, metas):
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def unflatten(flat: torch.Tensor, metas: list[TensorMeta], idx: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) for each tensor of one received bucket."""
+    offset = 0
+    for i in idx:
+        m = metas[i]
+        yield m.name, flat[offset : offset + m.numel].view(m.shape)
+        offset += m.numel
