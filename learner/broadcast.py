@@ -39,6 +39,13 @@ class WeightSource:
     def __init__(self, metas: Callable[[], list[TensorMeta]], stream: Callable[[], Iterator[tuple[str, torch.Tensor]]]):
         self.metas, self.stream = metas, stream
 
+    @classmethod
+    def of(cls, named: list[tuple[str, torch.Tensor]]) -> WeightSource:
+        """A source over tensors already in memory (tests, tools)."""
+        from services.weights.wire import describe
+
+        return cls(lambda: describe(named), lambda: iter(named))
+
 
 class WeightBroadcaster:
     def __init__(self, membership: Membership, cfg: WeightSyncSection, transport: WeightTransport,

@@ -6,6 +6,7 @@ they resume on any number of ranks:
       rng_rank{r}.pt       each rank's RNG state
       trainer_state.json   version, data cursor, trained group ids, run id, LR schedule position
       hf_config/           the model's config and tokenizer (for `rlmesh export`)
+      model/               an HF model directory (with checkpoint.hf_model; gathered on rank 0)
 
 Written to a temporary directory and renamed into place, so a checkpoint exists whole or not at all."""
 
@@ -24,7 +25,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def save_checkpoint(root: Path, version: int, trainer: Trainer, model_dir: str, state: dict[str, Any],
-                    keep_last: int) -> Path:
+                    keep_last: int, hf_model: bool = True) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{version:06d}"
     tmp = root / f".tmp_step_{version:06d}"
@@ -36,6 +37,11 @@ def save_checkpoint(root: Path, version: int, trainer: Trainer, model_dir: str, 
     for f in Path(model_dir).iterdir():
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
             shutil.copy2(f, hf / f.name)
+    if hf_model:
+        trainer.save_pretrained(tmp / "model")
+        for f in hf.iterdir():
+            if f.name != "config.json":
+                shutil.copy2(f, tmp / "model" / f.name)
     (tmp / "trainer_state.json").write_text(json.dumps({"version": version, **state}))
     for path in tmp.rglob("*"):
         if path.is_file():

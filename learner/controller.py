@@ -136,6 +136,8 @@ class Controller:
             except DecodeError:
                 await self.trajectories.ack(entry.id)
         self.resumed_from = self.version
+        # Rows of later versions written before the crash are superseded from here on.
+        self.trained_log.write({"resumed_from": self.version, "checkpoint": ckpt.name})
         log.info("resumed from %s at version %d: %d trained groups on record, %d unacked trajectories to "
                  "replay, ~%d groups in flight", ckpt.name, self.version, len(self.admission.trained_groups),
                  len(replay), self.issuer.in_flight)
@@ -205,7 +207,8 @@ class Controller:
                  "counters": {"num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
                               "num_duplicates": a.num_duplicates}}
         path = await self._torch(save_checkpoint, self.run_dir / "checkpoints", self.version, self.trainer,
-                                 self.model_path, state, self.config.checkpoint.keep_last)
+                                 self.model_path, state, self.config.checkpoint.keep_last,
+                                 self.config.checkpoint.hf_model)
         # Only now is the training on these trajectories durable: ack them.
         acked = await self.trajectories.ack(*self.unacked)
         log.info("checkpoint %s written; acked %d trajectory groups", path.name, acked)

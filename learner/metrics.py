@@ -32,6 +32,19 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def surviving_lineage(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `trained_groups.jsonl` rows of the versions that survived: a `{"resumed_from": v}` row
+    (written when a learner resumes from the checkpoint at version v) supersedes every earlier row
+    of a version above v, whose training was lost with the crash."""
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        if "resumed_from" in row:
+            kept = [r for r in kept if r["version"] <= row["resumed_from"]]
+        else:
+            kept.append(row)
+    return kept
+
+
 def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
     import matplotlib
 

@@ -250,6 +250,8 @@ class CheckpointSection(Section):
     """Save every N steps (0: only at the end)."""
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept on disk."""
+    hf_model: bool = True
+    """Also write an HF model directory (`model/`) into each checkpoint; off for big models (use `rlmesh export`)."""
 
 
 class RunConfig(Section):

@@ -66,4 +66,4 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
 def sft_loss(logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Masked NLL over assistant tokens, normalised by the step's token count."""
     nll = -(logprobs_BT * micro.loss_mask_BT).sum() / micro.num_loss_tokens_in_step
-    return nll, {"nll": float(nll) * micro.num_loss_tokens_in_step / max(float(micro.loss_mask_BT.sum()), 1.0)}
+    return nll, {"nll": float(nll.detach()) * micro.num_loss_tokens_in_step / max(float(micro.loss_mask_BT.sum()), 1.0)}

@@ -81,11 +81,14 @@ def test_learner_crash_resumes_without_losing_or_repeating_trajectories(tiny_mod
     assert summary["resumed_from"] == resumed_from and summary["num_steps"] == 8
     assert f"resumed from step_{resumed_from:06d}" in logs["learner"].read_text()
 
+    from learner.metrics import surviving_lineage
+
     rows = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
     first_run, second_run = rows[:lines_before], rows[lines_before:]
-    kept = [r for r in first_run if r["version"] <= resumed_from]
+    assert second_run[0] == {"time": second_run[0]["time"], "resumed_from": resumed_from,
+                             "checkpoint": f"step_{resumed_from:06d}"}, "the resume is marked in the audit trail"
     lost = [r for r in first_run if r["version"] > resumed_from]
-    lineage = kept + second_run
+    lineage = surviving_lineage(rows)
     assert [r["version"] for r in lineage] == list(range(1, 9))
     trained = [gid for r in lineage for gid in r["group_ids"]]
     assert len(trained) == len(set(trained)) == 8 * 4, "no group trained twice in the surviving lineage"

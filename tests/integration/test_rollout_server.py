@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from learner.broadcast import WeightBroadcaster
+from learner.broadcast import WeightBroadcaster, WeightSource
 from learner.membership import LearnerService, Membership
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2
 from services.config import WeightSyncSection
@@ -58,7 +58,13 @@ async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
         assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "rollout server did not register in 300s"
         await asyncio.sleep(0.5)
-    broadcaster = WeightBroadcaster(membership, WeightSyncSection(timeout_s=120))
+    from services.weights.gloo import GlooTransport
+
+    async def run_torch(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    sync = WeightSyncSection(timeout_s=120)
+    broadcaster = WeightBroadcaster(membership, sync, GlooTransport(sync), run_torch)
     yield {"membership": membership, "broadcaster": broadcaster, "state": state, "config": config,
            "stub": membership.generators["gen-0"].stub, "tmp": tmp}
     for p in procs:
@@ -123,7 +129,7 @@ async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_mode
 
     model = _perturbed_hf_model(tiny_model_dir, seed=1)
     named = list(model.state_dict().items())
-    metrics = await mesh["broadcaster"].broadcast(1, lambda: named)
+    metrics = await mesh["broadcaster"].broadcast(1, WeightSource.of(named))
     mesh["state"]["version"] = 1
     assert metrics["num_generators"] == 1.0
     assert mesh["broadcaster"].verified_versions[-1] == 1
@@ -209,7 +215,7 @@ async def test_update_left_open_by_a_dead_learner_is_recovered(mesh, tiny_model_
     # The learner resends everything; the server serves the new weights exactly.
     model = _perturbed_hf_model(tiny_model_dir, seed=2)
     mesh["state"]["version"] = 2
-    await mesh["broadcaster"].broadcast(2, lambda: list(model.state_dict().items()))
+    await mesh["broadcaster"].broadcast(2, WeightSource.of(list(model.state_dict().items())))
     stub = membership.generators["gen-0"].stub
     prompt_ids, (sample,) = await _generate(stub, _prompt(1, greedy=True, content="5+5="))
     assert sample.min_version == 2

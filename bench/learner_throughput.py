@@ -1,0 +1,171 @@
+"""Learner-step throughput against a plain PyTorch loop, side by side, on the same model and batch.
+
+baseline: a plain loop over the HF model: per micro-batch a no-grad forward (pi_old), then
+          forward/backward with the same GRPO loss, grad clipping, AdamW step.
+measured: the learner's real step (`Trainer.step`: GRPO objective -> run_step -> FSDP2 backend),
+          one rank, in this process.
+scaling:  the same learner step under torchrun with 2 gloo ranks vs 1 rank (step time ratio).
+Prints training tokens/s (prompt + completion tokens through forward/backward) of each and the
+ratios. Run: python bench/learner_throughput.py [--hidden 256 --layers 4 --groups 16]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def make_groups(num_groups: int, n: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0):
+    from rlmesh.v1 import common_pb2
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        group = common_pb2.TrajectoryGroup(group_id=f"g{g}", prompt_token_ids=[rng.randrange(3, vocab)
+                                                                               for _ in range(prompt_len)])
+        for i in range(n):
+            ids = [rng.randrange(3, vocab) for _ in range(rng.randint(completion_len // 2, completion_len))]
+            group.samples.append(common_pb2.Sample(
+                index=i, reward=float(i % 2), logprobs=[-rng.uniform(3, 7) for _ in ids],
+                completion=common_pb2.TokenSequence(token_ids=ids, loss_mask=[True] * len(ids))))
+        groups.append(group)
+    return groups
+
+
+def config_for(model_dir: Path, micro_batch_size: int):
+    from services.config import load_config
+
+    return load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
+                              "learner.lr=1e-4", "rollout.max_tokens=64", "learner.torch_threads=1"])
+
+
+def num_tokens(seqs) -> int:
+    return sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+
+
+def time_learner(model_dir: Path, args) -> dict:
+    """The learner's step; under torchrun every rank runs this and rank 0 reports."""
+    from learner.trainer import Trainer
+
+    trainer = Trainer(config_for(model_dir, args.micro_batch_size), str(model_dir), pad_id=0)
+    if trainer.rank != 0:
+        trainer.follow()
+        return {}
+    seqs = trainer.objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
+    trainer.step(seqs, 1e-4)  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.step(seqs, 1e-4)
+    elapsed = (time.perf_counter() - t0) / args.steps
+    trainer.stop()
+    return {"step_s": elapsed, "tokens_per_s": num_tokens(seqs) / elapsed, "world_size": trainer.world_size}
+
+
+def time_plain_pytorch(model_dir: Path, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.batch import plan_step
+    from learner.objectives.grpo import GRPOObjective
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = config_for(model_dir, args.micro_batch_size)
+    objective = GRPOObjective(cfg.algorithm, max_tokens=cfg.rollout.max_tokens)
+    seqs = objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    micros = plan_step(seqs, args.micro_batch_size, 0)
+
+    def logprobs(m):
+        logits = model(input_ids=m.input_ids_BT, attention_mask=m.attention_mask_BT).logits[:, :-1].float()
+        return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), m.input_ids_BT[:, 1:], reduction="none")
+
+    def step():
+        with torch.no_grad():
+            for m in micros:
+                m.old_logprobs_BT = logprobs(m)
+        opt.zero_grad(set_to_none=True)
+        for m in micros:
+            loss, _ = objective.loss(logprobs(m), m)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    elapsed = (time.perf_counter() - t0) / args.steps
+    return {"step_s": elapsed, "tokens_per_s": num_tokens(seqs) / elapsed}
+
+
+def torchrun_learner(model_dir: Path, nproc: int, args, tmp: Path) -> dict:
+    out = tmp / f"learner_{nproc}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
+           "--worker", str(model_dir), str(out), *sys.argv[1:]]
+    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--completion-len", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
+    return p.parse_known_args(argv)[0]
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        result = time_learner(Path(args.worker[0]), args)
+        if result:
+            Path(args.worker[1]).write_text(json.dumps(result))
+        return
+    from learner.tiny_model import write_tiny_model
+    from services.config import TinyModelSection
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        spec = TinyModelSection(hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
+                                intermediate_size=args.hidden * 2)
+        model_dir = write_tiny_model(spec, tmp / "model", seed=0)
+        plain = time_plain_pytorch(model_dir, args)
+        one = torchrun_learner(model_dir, 1, args, tmp)
+        two = torchrun_learner(model_dir, 2, args, tmp)
+    rows = [("plain PyTorch loop (1 process)", plain), ("rlmesh learner step, 1 rank", one),
+            ("rlmesh learner step, 2 gloo ranks", two)]
+    print(f"model: hidden {args.hidden}, {args.layers} layers; batch {args.groups}x{args.n} sequences, "
+          f"micro-batch {args.micro_batch_size}")
+    print(f"{'path':38s} {'step s':>8s} {'train tok/s':>12s}")
+    for name, r in rows:
+        print(f"{name:38s} {r['step_s']:8.3f} {r['tokens_per_s']:12.0f}")
+    ratio = one["tokens_per_s"] / plain["tokens_per_s"]
+    scaling = two["step_s"] / one["step_s"]
+    print(f"ratio (learner 1 rank / plain PyTorch tokens/s): {ratio:.2f}   (target >= 0.9)")
+    print(f"2-rank / 1-rank step time: {scaling:.2f}   (on {os.cpu_count()} cores; < 1 means faster)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"plain": plain, "learner_1rank": one, "learner_2rank": two,
+                                               "ratio_vs_plain": ratio, "two_over_one_step_time": scaling}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
