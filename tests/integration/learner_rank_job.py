@@ -1,7 +1,7 @@
 """A learner training job as torchrun runs it, for tests: rank 0 drives the real `Trainer` (steps on
 the baseline's fixed batch, optional checkpoint load/save, a weight fingerprint), other ranks follow.
 
-    torchrun --nproc-per-node N learner_rank_job.py MODEL_DIR OUT_JSON [--load CKPT] [--save CKPT]
+    torchrun --nproc-per-node N learner_rank_job.py MODEL_DIR OUT_JSON [--load CKPT_DIR] [--save CHECKPOINTS_ROOT]
         [--steps-before-save K] [--steps N]"""
 
 from __future__ import annotations
@@ -35,15 +35,19 @@ def main() -> None:
     if args.load:
         trainer.load(Path(args.load))
     seqs = trainer.objective.sequences(fixed_groups())
-    losses, metrics = [], []
+    losses, metrics, saved = [], [], None
     for i in range(args.steps):
         if args.save and i == args.steps_before_save:
-            Path(args.save).mkdir(parents=True, exist_ok=True)
-            trainer.save(Path(args.save))
+            from learner.checkpoint import save_checkpoint
+
+            save_checkpoint(Path(args.save), i, trainer, args.model_dir, {"trained_groups": []}, keep_last=1,
+                            hf_model=False)
+            saved = fingerprint(trainer.stream_weights())
         m = trainer.step(seqs, 1e-3)
         losses.append(m["loss"])
         metrics.append(m)
     Path(args.out).write_text(json.dumps({"world_size": trainer.world_size, "loss": losses, "metrics": metrics,
+                                          "saved_weights": saved,
                                           "weights": fingerprint(trainer.stream_weights())}))
     trainer.stop()
 
