@@ -28,7 +28,15 @@ def init_distributed() -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            # torchrun's agent keeps one store across elastic restarts: without a key prefix per
+            # attempt, restarted ranks read the dead attempt's addresses and never connect.
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=not agent_store and rank == 0, timeout=timedelta(minutes=10))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"rlmesh/attempt{attempt}", store), rank=rank,
+                                    world_size=world_size)
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
