@@ -24,11 +24,14 @@ def staleness(group: common_pb2.TrajectoryGroup, version: int) -> int:
 
 class Admission:
     def __init__(self, trajectories: StreamQueue, dropped_log: RecordWriter, *, max_staleness: int,
-                 drop_zero_advantage_groups: bool, on_returned: Callable[[], None]) -> None:
+                 drop_zero_advantage_groups: bool, on_returned: Callable[[str], None]) -> None:
         self.trajectories, self.dropped_log = trajectories, dropped_log
         self.k, self.drop_flat = max_staleness, drop_zero_advantage_groups
         self.on_returned = on_returned
         self.trained_groups: set[str] = set()
+        # Admitted into the buffer and not trained yet: a second copy (a re-issued group whose
+        # first copy also arrived) is a duplicate, never a second training sample.
+        self.buffered: set[str] = set()
         self.num_dropped_stale = 0
         self.num_dropped_other = 0
         self.num_duplicates = 0
@@ -49,11 +52,11 @@ class Admission:
 
     async def accept(self, entry: Entry, group: common_pb2.TrajectoryGroup, version: int) -> bool:
         """True if a newly arrived train group goes into the training buffer."""
-        if group.group_id in self.trained_groups:
+        if group.group_id in self.trained_groups or group.group_id in self.buffered:
             self.num_duplicates += 1
             await self.trajectories.ack(entry.id)
             return False
-        self.on_returned()
+        self.on_returned(group.group_id)
         if await self.drop_if_stale(entry, group, version):
             return False
         reason = ""
@@ -69,4 +72,9 @@ class Admission:
             self.num_dropped_other += 1
             await self._drop(entry, group, version, reason)
             return False
+        self.buffered.add(group.group_id)
         return True
+
+    def trained(self, group_id: str) -> None:
+        self.buffered.discard(group_id)
+        self.trained_groups.add(group_id)

@@ -83,6 +83,10 @@ class Controller:
                                         max_len=cfg.queue.max_len, claim_idle_ms=cfg.queue.claim_idle_ms)
         await self.prompts.ensure_group()
         await self.trajectories.ensure_group()
+        # A marker that vanishes says the queue server lost its data (see _check_queue).
+        await self.prompts.set_marker("run", self.run_id)
+        self._group_recreations = 0
+        self._last_queue_check = time.monotonic()
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.trainer = await self._torch(lambda: Trainer(cfg, self.model_path, pad_id=self.tokenizer.pad_token_id))
@@ -128,7 +132,7 @@ class Controller:
         for name, value in state.get("counters", {}).items():
             setattr(self.admission, name, value)
         # Prompts issued before the restart still come back as trajectories: count them in flight.
-        self.issuer.in_flight = (await self.prompts.depth()).length + (await self.trajectories.depth()).lag
+        self.issuer.unknown_in_flight = (await self.prompts.depth()).length + (await self.trajectories.depth()).lag
         replay = await self.trajectories.read_own_pending(CONSUMER, count=100000)
         for entry in replay:
             try:
@@ -159,7 +163,25 @@ class Controller:
 
     # --- consuming -------------------------------------------------------------------------------
 
+    async def _check_queue(self) -> None:
+        """Detect a queue server that came back empty (its run marker or a consumer group is gone):
+        re-create what is needed and re-issue every outstanding prompt group, counted."""
+        recreations = self.prompts.num_group_recreations + self.trajectories.num_group_recreations
+        if await self.prompts.get_marker("run") is not None and recreations == self._group_recreations:
+            return
+        self._group_recreations = recreations
+        await self.prompts.ensure_group()
+        await self.trajectories.ensure_group()
+        await self.prompts.set_marker("run", self.run_id)
+        n = await self.issuer.reissue_outstanding()
+        log.error("the queue server lost its data (run marker or consumer group gone): re-issued %d outstanding "
+                  "prompt groups; trained-but-unacked trajectories stay covered by the next checkpoint", n)
+        self.metrics.write({"kind": "queue_loss", "version": self.version, "num_reissued": n})
+
     async def _read(self) -> Arrivals:
+        if time.monotonic() - self._last_queue_check > 1.0:
+            self._last_queue_check = time.monotonic()
+            await self._check_queue()
         entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
         now = time.monotonic()
         if entries:
@@ -263,7 +285,7 @@ class Controller:
             train_s = time.monotonic() - t_step
             self.version += 1
             for e, g in batch:
-                self.admission.trained_groups.add(g.group_id)
+                self.admission.trained(g.group_id)
                 self.unacked.append(e.id)
             self.trained_log.write({"version": self.version, "group_ids": [g.group_id for g in groups]})
             bc = await self.broadcaster.broadcast(self.version, self.weights)
@@ -311,6 +333,8 @@ class Controller:
             "held_out_accuracy_at_start_of_this_process": before["accuracy"],
             "max_staleness_seen": self.max_staleness_seen, "num_dropped_stale": a.num_dropped_stale,
             "num_dropped_other": a.num_dropped_other, "num_duplicates": a.num_duplicates,
+            "num_reissued_after_queue_loss": self.issuer.num_reissued,
+            "queue_reconnects": self.prompts.num_reconnects + self.trajectories.num_reconnects,
             "weights_sent_versions": len(self.broadcaster.sent_versions),
             "weights_verified_versions": len(self.broadcaster.verified_versions),
             "last_weights_sha256": self.broadcaster.last_digest,

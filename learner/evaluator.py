@@ -44,6 +44,7 @@ class Evaluator:
             for entry, group in await self.read():
                 if group.group_id in pending:
                     pending.discard(group.group_id)
+                    self.issuer.returned(group.group_id)
                     results.append(group.samples[0])
                     await self.trajectories.ack(entry.id)
                 elif group.prompt.split == "train":

@@ -1,7 +1,10 @@
 """Prompt issuing: turns dataset examples into prompt groups on the prompt stream, and keeps at
 most (max_staleness + 1) * groups_per_step train groups outstanding, so that nothing older than
 `max_staleness` is ever generated: generators hold version >= v when they read a group issued at
-version v (a broadcast finishes before new groups are issued)."""
+version v (a broadcast finishes before new groups are issued).
+
+It also remembers every group it issued that has not come back, so that a queue server that
+restarted without its data loses nothing: `reissue_outstanding` publishes them all again."""
 
 from __future__ import annotations
 
@@ -17,9 +20,18 @@ class PromptIssuer:
                  groups_per_step: int, max_staleness: int) -> None:
         self.prompts, self.run_id, self.train_set = prompts, run_id, train_set
         self.group_size, self.B, self.k = group_size, groups_per_step, max_staleness
-        self.in_flight = 0  # train groups issued and not yet back
+        # Issued and not back yet: group id -> (split, serialized PromptGroup).
+        self.outstanding: dict[str, tuple[str, bytes]] = {}
+        # Train groups issued by an earlier process (after a restart), known only by count.
+        self.unknown_in_flight = 0
         self.num_issued = 0
+        self.num_reissued = 0
         self.cursor = 0  # next train example (saved in checkpoints)
+
+    @property
+    def in_flight(self) -> int:
+        """Train groups issued and not yet back."""
+        return sum(1 for split, _ in self.outstanding.values() if split == "train") + self.unknown_in_flight
 
     def prompt_group(self, ex: Example, split: str, n: int, version: int, greedy: bool) -> common_pb2.PromptGroup:
         self.num_issued += 1
@@ -34,7 +46,9 @@ class PromptIssuer:
         return group
 
     async def publish(self, group: common_pb2.PromptGroup) -> None:
-        await self.prompts.publish(group.group_id, group.SerializeToString())
+        data = group.SerializeToString()
+        self.outstanding[group.group_id] = (group.split, data)
+        await self.prompts.publish(group.group_id, data)
 
     async def issue_train(self, num_buffered: int, version: int) -> int:
         """Top the outstanding train groups (in flight + buffered) back up to the bound; returns
@@ -44,9 +58,16 @@ class PromptIssuer:
             ex = self.train_set[self.cursor % len(self.train_set)]
             self.cursor += 1
             await self.publish(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
-            self.in_flight += 1
         return budget
 
-    def returned(self) -> None:
-        """A train group came back (trained, dropped or not)."""
-        self.in_flight = max(self.in_flight - 1, 0)
+    def returned(self, group_id: str) -> None:
+        """A group came back (to be trained, dropped or not)."""
+        if self.outstanding.pop(group_id, None) is None and self.unknown_in_flight > 0:
+            self.unknown_in_flight -= 1
+
+    async def reissue_outstanding(self) -> int:
+        """Publish every outstanding group again (their entries were lost with the queue)."""
+        for group_id, (_, data) in list(self.outstanding.items()):
+            await self.prompts.publish(group_id, data)
+        self.num_reissued += len(self.outstanding)
+        return len(self.outstanding)

@@ -68,6 +68,30 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
             delay = min(delay * 2, 10.0)
 
 
+class EngineDeadError(RuntimeError):
+    """vLLM's engine died under the server (e.g. its engine-core process was OOM-killed)."""
+
+
+async def watch_health(server, generator: VLLMGenerator, worker: RolloutWorker, queues: list[StreamQueue],
+                       log: logging.Logger) -> None:
+    """Liveness ("") follows the vLLM engine: when it dies the server says NOT_SERVING and exits
+    non-zero, so a supervisor restarts it instead of it failing every prompt forever. Readiness
+    (the RolloutService name) also needs the queue reachable and the learner's current weights."""
+    ready = True
+    while True:
+        await asyncio.sleep(1.0)
+        if generator.engine is not None and generator.engine.errored:
+            await server.set_serving(False)
+            worker.ready.clear()
+            raise EngineDeadError(f"vLLM engine died ({generator.engine.dead_error!r}); exiting so that a "
+                                  "supervisor restarts this rollout server (its pending prompts are claimed)")
+        now_ready = worker.ready.is_set() and all(q.connected for q in queues)
+        if now_ready != ready:
+            await server.set_serving(now_ready, names=[SERVICE_NAME])
+            ready = now_ready
+            log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING (no current weights or queue unreachable)")
+
+
 async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     log = setup_logging("rollout", config.logging.level)
     token = load_token(config.network.token_file, config.network.token_env)
@@ -101,6 +125,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     tasks = [
         asyncio.create_task(worker.run(), name="queue-worker"),
         asyncio.create_task(keep_membership(learner, generator_id, address, worker, generator, log), name="membership"),
+        asyncio.create_task(watch_health(server, generator, worker, [prompts, trajectories], log), name="health"),
     ]
 
     async def on_stop() -> None:
@@ -117,9 +142,12 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     done, _ = await asyncio.wait([serving, *tasks], return_when=asyncio.FIRST_COMPLETED)
     for t in done:
         if t is not serving and not t.cancelled() and t.exception() is not None:
-            log.error("background task %s failed", t.get_name(), exc_info=t.exception())
+            log.error("background task %s failed: %s", t.get_name(), t.exception(), exc_info=t.exception())
             await server.stop(1.0)
-            generator.shutdown()
+            try:
+                generator.shutdown()
+            except Exception as err:  # a dead engine may fail to shut down; exiting matters more
+                log.warning("engine shutdown failed: %r", err)
             raise t.exception()
     generator.shutdown()
 

@@ -1,7 +1,9 @@
 """The rollout server's queue loop: prompt groups in, scored trajectory groups out.
 
 A prompt entry is acked only after its trajectory group is in the trajectory stream; entries a
-dead server left pending are claimed after `queue.claim_idle_ms`. Prompts that cannot be parsed go
+dead server left pending are claimed after `queue.claim_idle_ms`. A live server refreshes the idle
+time of the entries it is still generating, so a long generation is never mistaken for a dead
+server's work and done twice. Prompts that cannot be parsed go
 to a dead-letter stream with the reason (never silently dropped)."""
 
 from __future__ import annotations
@@ -32,14 +34,21 @@ class RolloutWorker:
         self.ready = asyncio.Event()  # set once this server holds the learner's current weights
         self.num_inflight = 0
         self.num_completed = 0
+        self.num_claimed = 0
         self._tasks: set[asyncio.Task] = set()
+        self._working: set[str] = set()  # prompt entry ids being generated here
 
     async def run(self) -> None:
         await self.prompts.ensure_group()
         await self.trajectories.ensure_group()
-        last_claim = 0.0
+        last_claim = last_touch = 0.0
         while True:
-            await self.ready.wait()
+            if time.monotonic() - last_touch > self.prompts.claim_idle_ms / 3000:
+                await self.prompts.touch(self.consumer, *self._working)
+                last_touch = time.monotonic()
+            if not self.ready.is_set():
+                await asyncio.sleep(0.2)  # keep refreshing in-flight entries while paused for weights
+                continue
             free = self.max_concurrent_groups - self.num_inflight
             if free <= 0:
                 await asyncio.sleep(0.01)
@@ -48,18 +57,21 @@ class RolloutWorker:
             if time.monotonic() - last_claim > self.prompts.claim_idle_ms / 2000:
                 entries = await self.prompts.claim_stale(self.consumer, count=free)
                 if entries:
+                    self.num_claimed += len(entries)
                     log.warning("claimed %d prompt groups left pending by a dead rollout server", len(entries))
                 last_claim = time.monotonic()
             if not entries:
                 entries = await self.prompts.read(self.consumer, count=free, block_ms=200)
             for entry in entries:
                 self.num_inflight += 1
+                self._working.add(entry.id)
                 task = asyncio.create_task(self._handle(entry))
                 self._tasks.add(task)
-                task.add_done_callback(self._done)
+                task.add_done_callback(lambda t, entry_id=entry.id: self._done(t, entry_id))
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task, entry_id: str) -> None:
         self._tasks.discard(task)
+        self._working.discard(entry_id)
         self.num_inflight -= 1
         if not task.cancelled() and task.exception() is not None:
             # Unexpected failures leave the entry pending (claimed later); surface them loudly.

@@ -97,9 +97,11 @@ class Server:
     def __init__(self, server: grpc.aio.Server, port: int, health: HealthServicer, names: list[str]):
         self.server, self.port, self.health, self._names = server, port, health, names
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, *, names: list[str] | None = None) -> None:
+        """Health of `names` (default: the whole server, "" included). Liveness probes ask for "",
+        readiness probes for a service name, so a server can be alive but not ready."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *self._names]:
+        for name in (["", *self._names] if names is None else names):
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:

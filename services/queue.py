@@ -5,7 +5,13 @@ published at most once per stream, so a retried or re-generated group is dropped
 read as named members of one consumer group, ack after the work is durable, and claim entries
 left pending by a dead consumer after an idle timeout. Acked entries are deleted, so the stream
 length is exactly the unacked backlog; a producer that would push it past `max_len` waits
-(backpressure) instead of trimming anything unread."""
+(backpressure) instead of trimming anything unread.
+
+Outages: every call retries lost connections with exponential backoff (logged; `connected` and
+`last_error` say so for health checks) for up to `reconnect_timeout_s`, then raises
+`QueueUnavailable` naming the stream. Every call is safe to retry: publishing is idempotent by key,
+acks by id. A consumer group that vanished (a queue server restarted without its data) is
+re-created on the spot and counted in `num_group_recreations`, so the owner can notice the loss."""
 
 from __future__ import annotations
 
@@ -14,8 +20,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +37,14 @@ if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
 redis.call('SADD', KEYS[2], ARGV[1])
 return redis.call('XADD', KEYS[1], '*', 'key', ARGV[1], 'data', ARGV[2])
 """
+
+
+T = TypeVar("T")
+_LOST = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+class QueueUnavailable(ConnectionError):
+    """The queue server stayed unreachable past `reconnect_timeout_s`."""
 
 
 class QueueFullError(TimeoutError):
@@ -64,25 +83,72 @@ class StreamQueue:
         group: str = "workers",
         max_len: int = 10000,
         claim_idle_ms: int = 60000,
+        reconnect_timeout_s: float = 300.0,
     ) -> None:
         self.client, self.stream, self.group = client, stream, group
         self.max_len, self.claim_idle_ms = max_len, claim_idle_ms
+        self.reconnect_timeout_s = reconnect_timeout_s
         self._seen_key = f"{stream}:published"
         self._publish = client.register_script(_PUBLISH_LUA)
+        self.connected = True
+        self.last_error = ""
+        self.num_reconnects = 0
+        self.num_group_recreations = 0
 
-    async def ensure_group(self) -> None:
+    async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op`, riding out connection loss (backoff, logged) and re-creating a vanished group."""
+        delay, lost_at, last_log = 0.1, 0.0, 0.0
+        while True:
+            try:
+                result = await op()
+            except _LOST as err:
+                now = time.monotonic()
+                if self.connected:
+                    self.connected, lost_at = False, now
+                lost_at = lost_at or now
+                self.last_error = f"{type(err).__name__}: {err}"
+                if now - lost_at > self.reconnect_timeout_s:
+                    raise QueueUnavailable(
+                        f"{what} on stream {self.stream!r}: queue server unreachable for {now - lost_at:.0f}s "
+                        f"({self.last_error}); check that it is running and that queue.url points at it") from err
+                if now - last_log > 5:
+                    log.warning("queue server unreachable (%s) during %s on %s; retrying for up to %.0fs",
+                                self.last_error, what, self.stream, self.reconnect_timeout_s)
+                    last_log = now
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            except ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                self.num_group_recreations += 1
+                log.error("consumer group %s of stream %s is gone (queue server restarted without its data?); "
+                          "re-creating it", self.group, self.stream)
+                await self._create_group()
+                continue
+            if not self.connected:
+                self.connected = True
+                self.num_reconnects += 1
+                log.warning("queue server reachable again (%s on %s)", what, self.stream)
+            return result
+
+    async def _create_group(self) -> None:
         try:
             await self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
         except ResponseError as err:
             if "BUSYGROUP" not in str(err):
                 raise
 
+    async def ensure_group(self) -> None:
+        await self._call("create group", self._create_group)
+
     async def publish(self, key: str, data: bytes, *, wait_timeout_s: float | None = None) -> str | None:
         """Append unless `key` was published before (then None). Waits while the stream is full;
         raises QueueFullError after `wait_timeout_s` (None: wait forever)."""
         start, delay, warned = time.monotonic(), 0.01, False
         while True:
-            result = await self._publish(keys=[self.stream, self._seen_key], args=[key, data, self.max_len])
+            result = await self._call("publish", lambda: self._publish(keys=[self.stream, self._seen_key],
+                                                                      args=[key, data, self.max_len]))
             if result == 0:
                 return None
             if result != -1:
@@ -101,42 +167,63 @@ class StreamQueue:
 
     async def read(self, consumer: str, *, count: int = 16, block_ms: int | None = 1000) -> list[Entry]:
         """New entries for `consumer` (they stay pending on it until acked)."""
-        reply = await self.client.xreadgroup(self.group, consumer, {self.stream: ">"}, count=count, block=block_ms)
+        reply = await self._call("read", lambda: self.client.xreadgroup(
+            self.group, consumer, {self.stream: ">"}, count=count, block=block_ms))
         return _entries(reply[0][1]) if reply else []
 
     async def read_own_pending(self, consumer: str, *, count: int = 1000) -> list[Entry]:
         """Entries delivered to `consumer` earlier and never acked (replay after a restart)."""
-        reply = await self.client.xreadgroup(self.group, consumer, {self.stream: "0"}, count=count)
+        reply = await self._call("replay", lambda: self.client.xreadgroup(
+            self.group, consumer, {self.stream: "0"}, count=count))
         return _entries(reply[0][1]) if reply else []
 
     async def claim_stale(self, consumer: str, *, count: int = 16) -> list[Entry]:
         """Take over entries pending on any consumer for longer than `claim_idle_ms`."""
-        _, claimed, *_ = await self.client.xautoclaim(
-            self.stream, self.group, consumer, min_idle_time=self.claim_idle_ms, start_id="0-0", count=count
-        )
+        _, claimed, *_ = await self._call("claim", lambda: self.client.xautoclaim(
+            self.stream, self.group, consumer, min_idle_time=self.claim_idle_ms, start_id="0-0", count=count))
         return _entries(claimed)
+
+    async def touch(self, consumer: str, *entry_ids: str) -> None:
+        """Reset the idle time of entries `consumer` is still working on, so that live work is
+        never claimed as a dead consumer's (XCLAIM to itself with JUSTID)."""
+        if entry_ids:
+            await self._call("touch", lambda: self.client.xclaim(self.stream, self.group, consumer, 0,
+                                                                  list(entry_ids), justid=True))
 
     async def ack(self, *entry_ids: str) -> int:
         """Ack and delete; returns how many were still pending (0 for an already-acked id)."""
         if not entry_ids:
             return 0
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.xack(self.stream, self.group, *entry_ids)
-            pipe.xdel(self.stream, *entry_ids)
-            acked, _ = await pipe.execute()
-        return int(acked)
+
+        async def op() -> int:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.xack(self.stream, self.group, *entry_ids)
+                pipe.xdel(self.stream, *entry_ids)
+                acked, _ = await pipe.execute()
+            return int(acked)
+
+        return await self._call("ack", op)
 
     async def depth(self) -> QueueDepth:
-        length = await self.client.xlen(self.stream)
-        pending = lag = 0
-        try:
-            for info in await self.client.xinfo_groups(self.stream):
-                if info["name"].decode() == self.group:
-                    pending = int(info["pending"])
-                    lag = int(info.get("lag") or 0)
-        except ResponseError:
-            pass  # stream not created yet
-        return QueueDepth(length=length, pending=pending, lag=lag)
+        async def op() -> QueueDepth:
+            length = await self.client.xlen(self.stream)
+            pending = lag = 0
+            try:
+                for info in await self.client.xinfo_groups(self.stream):
+                    if info["name"].decode() == self.group:
+                        pending = int(info["pending"])
+                        lag = int(info.get("lag") or 0)
+            except ResponseError:
+                pass  # stream not created yet
+            return QueueDepth(length=length, pending=pending, lag=lag)
+
+        return await self._call("depth", op)
+
+    async def get_marker(self, name: str) -> bytes | None:
+        return await self._call("get marker", lambda: self.client.get(f"{self.stream}:{name}"))
+
+    async def set_marker(self, name: str, value: str) -> None:
+        await self._call("set marker", lambda: self.client.set(f"{self.stream}:{name}", value))
 
 
 def _entries(raw: list) -> list[Entry]:

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16rlmesh/v1/common.proto\"\xb2\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x02 \x01(\t\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x12\n\ncompletion\x18\x04 \x01(\t\x12\x1c\n\x14\x63ompletion_token_ids\x18\x05 \x03(\x05\x12-\n\x0c\x65nv_metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa7\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12:\n\ncomponents\x18\x03 \x03(\x0b\x32&.rlmesh.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\x0cScoreRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.rlmesh.v1.ScoreItem\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ScoreResult\"w\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12-\n\x0c\x65nv_metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\"P\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x0bobservation\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\"I\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x16.rlmesh.v1.ChatMessage\"\x84\x01\n\x0cStepResponse\x12+\n\x0bobservation\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12)\n\x08metadata\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse\"Z\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x16\n\x0eremote_address\x18\x04 \x01(\t\"\x19\n\x17ListEnvironmentsRequest\"L\n\x18ListEnvironmentsResponse\x12\x30\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo\";\n\x1aRegisterEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"N\n\x1bRegisterEnvironmentResponse\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo2\xbf\x03\n\rRewardService\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12:\n\x05Reset\x12\x17.rlmesh.v1.ResetRequest\x1a\x18.rlmesh.v1.ResetResponse\x12\x37\n\x04Step\x12\x16.rlmesh.v1.StepRequest\x1a\x17.rlmesh.v1.StepResponse\x12:\n\x05\x43lose\x12\x17.rlmesh.v1.CloseRequest\x1a\x18.rlmesh.v1.CloseResponse\x12[\n\x10ListEnvironments\x12\".rlmesh.v1.ListEnvironmentsRequest\x1a#.rlmesh.v1.ListEnvironmentsResponse\x12\x64\n\x13RegisterEnvironment\x12%.rlmesh.v1.RegisterEnvironmentRequest\x1a&.rlmesh.v1.RegisterEnvironmentResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16rlmesh/v1/common.proto\"\xb2\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x02 \x01(\t\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x12\n\ncompletion\x18\x04 \x01(\t\x12\x1c\n\x14\x63ompletion_token_ids\x18\x05 \x03(\x05\x12-\n\x0c\x65nv_metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa7\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12:\n\ncomponents\x18\x03 \x03(\x0b\x32&.rlmesh.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\x0cScoreRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.rlmesh.v1.ScoreItem\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ScoreResult\"w\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12-\n\x0c\x65nv_metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\"x\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x0bobservation\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12&\n\x05tools\x18\x03 \x03(\x0b\x32\x17.google.protobuf.Struct\"I\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x16.rlmesh.v1.ChatMessage\"\xf4\x01\n\x0cStepResponse\x12+\n\x0bobservation\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12)\n\x08metadata\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12;\n\ncomponents\x18\x05 \x03(\x0b\x32\'.rlmesh.v1.StepResponse.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse\"Z\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x16\n\x0eremote_address\x18\x04 \x01(\t\"\x19\n\x17ListEnvironmentsRequest\"L\n\x18ListEnvironmentsResponse\x12\x30\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo\";\n\x1aRegisterEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"N\n\x1bRegisterEnvironmentResponse\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo2\xbf\x03\n\rRewardService\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12:\n\x05Reset\x12\x17.rlmesh.v1.ResetRequest\x1a\x18.rlmesh.v1.ResetResponse\x12\x37\n\x04Step\x12\x16.rlmesh.v1.StepRequest\x1a\x17.rlmesh.v1.StepResponse\x12:\n\x05\x43lose\x12\x17.rlmesh.v1.CloseRequest\x1a\x18.rlmesh.v1.CloseResponse\x12[\n\x10ListEnvironments\x12\".rlmesh.v1.ListEnvironmentsRequest\x1a#.rlmesh.v1.ListEnvironmentsResponse\x12\x64\n\x13RegisterEnvironment\x12%.rlmesh.v1.RegisterEnvironmentRequest\x1a&.rlmesh.v1.RegisterEnvironmentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPRESPONSE_COMPONENTSENTRY']._loaded_options = None
+  _globals['_STEPRESPONSE_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_SCOREITEM']._serialized_start=92
   _globals['_SCOREITEM']._serialized_end=270
   _globals['_SCORERESULT']._serialized_start=273
@@ -48,25 +50,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESETREQUEST']._serialized_start=553
   _globals['_RESETREQUEST']._serialized_end=672
   _globals['_RESETRESPONSE']._serialized_start=674
-  _globals['_RESETRESPONSE']._serialized_end=754
-  _globals['_STEPREQUEST']._serialized_start=756
-  _globals['_STEPREQUEST']._serialized_end=829
-  _globals['_STEPRESPONSE']._serialized_start=832
-  _globals['_STEPRESPONSE']._serialized_end=964
-  _globals['_CLOSEREQUEST']._serialized_start=966
-  _globals['_CLOSEREQUEST']._serialized_end=1000
-  _globals['_CLOSERESPONSE']._serialized_start=1002
-  _globals['_CLOSERESPONSE']._serialized_end=1017
-  _globals['_ENVIRONMENTINFO']._serialized_start=1019
-  _globals['_ENVIRONMENTINFO']._serialized_end=1109
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1111
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1136
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1138
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=1214
-  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_start=1216
-  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_end=1275
-  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_start=1277
-  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_end=1355
-  _globals['_REWARDSERVICE']._serialized_start=1358
-  _globals['_REWARDSERVICE']._serialized_end=1805
+  _globals['_RESETRESPONSE']._serialized_end=794
+  _globals['_STEPREQUEST']._serialized_start=796
+  _globals['_STEPREQUEST']._serialized_end=869
+  _globals['_STEPRESPONSE']._serialized_start=872
+  _globals['_STEPRESPONSE']._serialized_end=1116
+  _globals['_STEPRESPONSE_COMPONENTSENTRY']._serialized_start=391
+  _globals['_STEPRESPONSE_COMPONENTSENTRY']._serialized_end=440
+  _globals['_CLOSEREQUEST']._serialized_start=1118
+  _globals['_CLOSEREQUEST']._serialized_end=1152
+  _globals['_CLOSERESPONSE']._serialized_start=1154
+  _globals['_CLOSERESPONSE']._serialized_end=1169
+  _globals['_ENVIRONMENTINFO']._serialized_start=1171
+  _globals['_ENVIRONMENTINFO']._serialized_end=1261
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1263
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1288
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1290
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=1366
+  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_start=1368
+  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_end=1427
+  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_start=1429
+  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_end=1507
+  _globals['_REWARDSERVICE']._serialized_start=1510
+  _globals['_REWARDSERVICE']._serialized_end=1957
 # @@protoc_insertion_point(module_scope)

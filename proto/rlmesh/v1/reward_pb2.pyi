@@ -66,12 +66,14 @@ class ResetRequest(_message.Message):
     def __init__(self, env_name: _Optional[str] = ..., env_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., prompt: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("session_id", "observation")
+    __slots__ = ("session_id", "observation", "tools")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     observation: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
-    def __init__(self, session_id: _Optional[str] = ..., observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    def __init__(self, session_id: _Optional[str] = ..., observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "action")
@@ -82,16 +84,25 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[_common_pb2.ChatMessage, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "reward", "done", "metadata")
+    __slots__ = ("observation", "reward", "done", "metadata", "components")
+    class ComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     observation: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     reward: float
     done: bool
     metadata: _struct_pb2.Struct
-    def __init__(self, observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    components: _containers.ScalarMap[str, float]
+    def __init__(self, observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., components: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -56,7 +56,9 @@ async def test_issuance_keeps_at_most_k_plus_one_steps_outstanding():
     assert issuer.in_flight == 8 and len(issuer.prompts.published) == 8
     await issuer.issue_train(num_buffered=0, version=0)
     assert len(issuer.prompts.published) == 8, "no more than (k+1)*B outstanding"
-    issuer.in_flight = 4
+    for gid in issuer.prompts.published[:4]:
+        issuer.returned(gid)
+    assert issuer.in_flight == 4
     await issuer.issue_train(num_buffered=4, version=1)
     assert len(issuer.prompts.published) == 8, "buffered groups count as outstanding"
 
@@ -81,7 +83,7 @@ def test_prompt_groups_carry_messages_and_opaque_metadata():
 
 async def test_fresh_group_is_accepted():
     issuer = _issuer()
-    issuer.in_flight = 5
+    issuer.unknown_in_flight = 5
     admission = _admission(issuer=issuer)
     assert await admission.accept(*_group("a", [(2, 3)] * 4), version=3)
     assert issuer.in_flight == 4 and admission.trajectories.acked == []
@@ -89,7 +91,7 @@ async def test_fresh_group_is_accepted():
 
 async def test_too_stale_group_is_dropped_counted_and_acked():
     issuer = _issuer()
-    issuer.in_flight = 3
+    issuer.unknown_in_flight = 3
     admission = _admission(k=1, issuer=issuer)
     assert not await admission.accept(*_group("old", [(3, 4), (4, 4), (4, 4), (4, 4)]), version=5)
     assert admission.num_dropped_stale == 1 and admission.trajectories.acked == ["e-old"]
@@ -99,7 +101,7 @@ async def test_too_stale_group_is_dropped_counted_and_acked():
 
 async def test_duplicate_of_a_trained_group_is_acked_without_counting_in_flight():
     issuer = _issuer()
-    issuer.in_flight = 2
+    issuer.unknown_in_flight = 2
     admission = _admission(issuer=issuer)
     admission.trained_groups.add("dup")
     assert not await admission.accept(*_group("dup", [(0, 0)] * 4), version=0)
@@ -123,3 +125,23 @@ async def test_dynamic_sampling_drops_groups_without_signal(drop):
     admission = _admission(drop_flat=drop)
     accepted = await admission.accept(*_group("flat", [(0, 0)] * 4, rewards=[1.0] * 4), version=0)
     assert accepted is (not drop)
+
+
+async def test_a_group_already_buffered_is_a_duplicate_not_a_second_sample():
+    admission = _admission()
+    assert await admission.accept(*_group("g", [(0, 0)] * 4), version=0)
+    entry, group = _group("g", [(0, 0)] * 4)
+    assert not await admission.accept(Entry(id="e-g2", key="g", data=b""), group, version=0)
+    assert admission.num_duplicates == 1 and admission.trajectories.acked == ["e-g2"]
+    admission.trained("g")
+    assert not await admission.accept(Entry(id="e-g3", key="g", data=b""), group, version=1)
+    assert admission.num_duplicates == 2
+
+
+async def test_outstanding_groups_are_reissued_after_queue_loss():
+    issuer = _issuer(k=0, groups_per_step=3)
+    await issuer.issue_train(num_buffered=0, version=0)
+    first = list(issuer.prompts.published)
+    issuer.returned(first[0])
+    assert await issuer.reissue_outstanding() == 2
+    assert issuer.prompts.published[3:] == first[1:] and issuer.num_reissued == 2

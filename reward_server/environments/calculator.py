@@ -1,0 +1,136 @@
+"""Calculator: a tool-use task. The model is asked to add two 3-digit numbers (too hard for a tiny
+model's weights) and may call one tool, `add(a, b)`, offered through the chat template's `tools=`.
+
+Each step takes the model's assistant message. If it calls tools (Qwen / Hermes `<tool_call>`
+blocks), the calls are executed and the results come back as `tool` messages; a malformed call or
+bad arguments come back as an error message the model sees, never as a failure. A message without a
+tool call is the final answer: reward 1 when it is exactly the integer `metadata.answer`
+(surrounding whitespace aside), else 0; the episode ends. After `max_turns` steps without an answer
+the episode ends with reward 0.
+
+Metadata: `answer` (required), `a` and `b` (needed only when the prompt is empty and the rules are
+given as the first message), `max_turns` (4).
+Components: `correct`, `num_tool_calls` (this episode), `answer_in_text` (the first integer of the
+final message was right even when the format was not).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
+from reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
+
+_INT = re.compile(r"-?\d+")
+
+ADD_TOOL: ToolSchema = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers and return their sum.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "description": "The first addend."},
+                "b": {"type": "integer", "description": "The second addend."},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+@dataclass
+class CalculatorState:
+    answer: int
+    max_turns: int
+    turns: int = 0
+    num_tool_calls: int = 0
+    done: bool = False
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _INT.fullmatch(value.strip()):
+        return int(value)
+    return None
+
+
+def add(arguments: dict[str, Any]) -> str:
+    """The `add` tool: the sum as text, or an error the model can read."""
+    extra = sorted(set(arguments) - {"a", "b"})
+    if extra:
+        return f"error: add takes only a and b, got also {', '.join(extra)}"
+    values = {k: _as_int(arguments.get(k)) for k in ("a", "b")}
+    bad = [f"{k}={arguments.get(k)!r}" for k, v in values.items() if v is None]
+    if bad:
+        return f"error: add needs integer arguments a and b; got {', '.join(bad)}"
+    return str(values["a"] + values["b"])
+
+
+class CalculatorEnvironment:
+    name = "calculator"
+    description = "add two numbers with an `add` tool; reward 1 for the exact sum as the final answer"
+
+    def tools(self) -> list[ToolSchema]:
+        return [ADD_TOOL]
+
+    def reset(self, metadata: dict[str, Any], prompt: list[Message]) -> ResetOutput:
+        answer = _as_int(metadata.get("answer"))
+        if answer is None:
+            raise ValueError(f"calculator: metadata.answer={metadata.get('answer')!r} is not an integer; "
+                             "the prompt group must carry env_metadata.answer")
+        max_turns = _as_int(metadata.get("max_turns", 4))
+        if max_turns is None or max_turns < 1:
+            raise ValueError(f"calculator: metadata.max_turns={metadata.get('max_turns')!r} must be an integer >= 1")
+        observation = []
+        if not prompt:
+            a, b = _as_int(metadata.get("a")), _as_int(metadata.get("b"))
+            if a is None or b is None:
+                raise ValueError("calculator: an empty prompt needs integer metadata.a and metadata.b to state the task")
+            observation = [{"role": "user", "content": f"What is {a} + {b}? Use the add tool, then answer with "
+                                                       "the number only."}]
+        return ResetOutput(CalculatorState(answer, max_turns), observation)
+
+    def step(self, state: CalculatorState, action: Message) -> StepOutput:
+        if state.done:
+            raise ValueError("calculator: the episode is over; close the session")
+        state.turns += 1
+        text = action.get("content", "")
+        if has_tool_call(text):
+            observation = [self._execute(call) for call in parse_tool_calls(text)]
+            state.num_tool_calls += len(observation)
+            if state.turns < state.max_turns:
+                return StepOutput(observation, metadata={"turns": state.turns})
+            state.done = True
+            return StepOutput(observation, reward=0.0, done=True, components=self._components(state, 0.0, 0.0),
+                              metadata={"turns": state.turns, "end": "max_turns"})
+        state.done = True
+        stripped = text.strip()
+        correct = float(_INT.fullmatch(stripped) is not None and int(stripped) == state.answer)
+        first = _INT.search(text)
+        in_text = float(first is not None and int(first.group()) == state.answer)
+        return StepOutput([], reward=correct, done=True, components=self._components(state, correct, in_text),
+                          metadata={"turns": state.turns, "end": "answered"})
+
+    @staticmethod
+    def _components(state: CalculatorState, correct: float, in_text: float) -> dict[str, float]:
+        return {"correct": correct, "num_tool_calls": float(state.num_tool_calls), "answer_in_text": in_text}
+
+    @staticmethod
+    def _execute(call) -> Message:
+        if isinstance(call, MalformedToolCall):
+            return {"role": "tool", "name": "", "content": f"error: {call.error}"}
+        if call.name != "add":
+            return {"role": "tool", "name": call.name, "content": f"error: unknown tool {call.name!r}; available: add"}
+        return {"role": "tool", "name": "add", "content": add(call.arguments)}
+
+    def close(self, state: CalculatorState) -> None:
+        state.done = True
