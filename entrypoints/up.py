@@ -1,7 +1,12 @@
 """`rlmesh up`: the whole mesh as local processes. Starts an embedded Valkey (unless queue.url
 names a server), prepares the model (tiny model + SFT warm start when configured), then the
-reward server, rollout server(s) and the learner on free ports; waits for health; shows progress;
-stops every process on success, Ctrl-C or any service's failure, and says which one failed."""
+reward server, rollout server(s) and the learner on free ports; waits for health; shows progress.
+
+It supervises: a service that crashes is restarted with exponential backoff (the learner resumes
+from its newest checkpoint, a rollout server re-registers, pending work is claimed), up to
+`run.max_restarts` times per service; then the run fails naming the service and quoting its log.
+A service that dies while starting fails the launch at once with its own error. Every process is
+stopped on success, Ctrl-C or failure."""
 
 from __future__ import annotations
 
@@ -28,6 +33,10 @@ class Service:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    argv: list[str]
+    launcher: list[str] | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # when a crashed service is due to be started again
 
     def tail(self, n: int = 25) -> str:
         try:
@@ -46,21 +55,25 @@ class Mesh:
 
     def spawn(self, name: str, argv: list[str], launcher: list[str] | None = None) -> Service:
         log_path = self.run_dir / "logs" / f"{name}.log"
-        out = log_path.open("ab")
         # Own session: stopping the service's process group also stops its children (vLLM's engine,
         # torchrun's ranks).
-        cmd = [sys.executable, *(launcher or []), "-m", "entrypoints.cli", *argv]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=os.getcwd())
-        svc = Service(name, proc, log_path)
+        svc = Service(name, self._popen(argv, launcher, log_path), log_path, argv, launcher)
         self.services.append(svc)
-        log.info("started %s (pid %d), log: %s", name, proc.pid, log_path)
+        log.info("started %s (pid %d), log: %s", name, svc.proc.pid, log_path)
         return svc
 
-    def failed(self) -> Service | None:
-        for svc in self.services:
-            if svc.proc.poll() not in (None, 0):
-                return svc
-        return None
+    @staticmethod
+    def _popen(argv: list[str], launcher: list[str] | None, log_path: Path) -> subprocess.Popen:
+        cmd = [sys.executable, *(launcher or []), "-m", "entrypoints.cli", *argv]
+        return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=os.getcwd())
+
+    def restart(self, svc: Service) -> None:
+        _signal_group(svc.proc, signal.SIGKILL)  # whatever the dead service left behind (vLLM's engine)
+        svc.restarts += 1
+        svc.restart_at = None
+        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path)
+        log.warning("restarted %s (pid %d, restart %d)", svc.name, svc.proc.pid, svc.restarts)
 
     def stop(self, grace_s: float = 10.0) -> None:
         for svc in reversed(self.services):
@@ -119,9 +132,23 @@ def run_up(config: RunConfig, args: argparse.Namespace) -> int:
             print(f"rlmesh up: all services stopped; outputs in {run_dir}", flush=True)
 
 
+def _check_model_path(config: RunConfig) -> None:
+    """Fail before starting anything when model.path names a local directory that is not there."""
+    from services.config import HFModelSection
+
+    if not isinstance(config.model, HFModelSection):
+        return
+    path = config.model.path
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise SystemExit(f"rlmesh up: model.path={path!r} does not exist; point it at a local HF model directory "
+                         "(config.json, weights, tokenizer) or use model.type=tiny")
+
+
 def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
     from services.config import HFModelSection
 
+    _check_model_path(config)
     resolved = config.model_copy(deep=True)
     if config.queue.url == "embedded":
         from services.valkey import start_embedded_valkey
@@ -153,10 +180,17 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
     for i in range(config.rollout.num_servers):
         mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}"])
 
-    from services.grpc_client import wait_for_serving
+    from services.grpc_client import ExitedWhileStarting, wait_for_serving
 
+    services = {svc.name: svc for svc in mesh.services}
     for name, port in (("reward", reward_port), ("learner", learner_port)):
-        asyncio.run(wait_for_serving(f"{host}:{port}", what=f"{name} server", timeout_s=300))
+        svc = services[name]
+        try:
+            asyncio.run(wait_for_serving(f"{host}:{port}", what=f"{name} server", timeout_s=600,
+                                         alive=lambda svc=svc: svc.proc.poll() is None))
+        except ExitedWhileStarting:
+            raise SystemExit(f"rlmesh up: {name} exited while starting (code {svc.proc.returncode}); last lines of "
+                             f"{svc.log_path}:\n{svc.tail()}") from None
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
     return _watch(mesh, learner, config, run_dir)
 
@@ -170,6 +204,32 @@ def torchrun_args(config: RunConfig) -> list[str] | None:
             f"--max-restarts={config.learner.max_restarts}", "--monitor-interval=1"]
 
 
+def _supervise(mesh: Mesh, learner: Service, max_restarts: int) -> Service | None:
+    """Restart crashed services with backoff; the service that ran out of restarts, if any."""
+    now = time.monotonic()
+    for svc in mesh.services:
+        code = svc.proc.poll()
+        if code is None or svc.name in ("sft", "tiny-model") or (svc is learner and code == 0):
+            continue
+        if svc.restart_at is None:
+            if svc.restarts >= max_restarts:
+                return svc
+            delay = min(2.0 ** svc.restarts, 30.0)
+            svc.restart_at = now + delay
+            tqdm_write(f"rlmesh up: service '{svc.name}' exited with code {code}; restarting in {delay:.0f}s "
+                       f"(restart {svc.restarts + 1} of {max_restarts}). Last lines of {svc.log_path}:\n"
+                       f"{svc.tail(8)}")
+        elif now >= svc.restart_at:
+            mesh.restart(svc)
+    return None
+
+
+def tqdm_write(text: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)
+
+
 def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> int:
     from tqdm import tqdm
 
@@ -179,11 +239,12 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> in
                dynamic_ncols=True)
     seen = 0
     while True:
-        bad = mesh.failed()
+        bad = _supervise(mesh, learner, config.run.max_restarts)
         if bad is not None:
             bar.close()
-            print(f"\nrlmesh up: service '{bad.name}' exited with code {bad.proc.returncode}. "
-                  f"Last lines of {bad.log_path}:\n{bad.tail()}", file=sys.stderr, flush=True)
+            print(f"\nrlmesh up: service '{bad.name}' exited with code {bad.proc.returncode} after {bad.restarts} "
+                  f"restart(s) (run.max_restarts={config.run.max_restarts}). Last lines of {bad.log_path}:\n"
+                  f"{bad.tail()}", file=sys.stderr, flush=True)
             return 1
         rows = read_metrics(run_dir / "metrics.jsonl")
         for r in rows[seen:]:

@@ -122,6 +122,8 @@ class Controller:
 
         ckpt = latest_checkpoint(self.run_dir / "checkpoints")
         if ckpt is None:
+            if self.trained_log.path.stat().st_size:  # an earlier process trained without checkpointing
+                self.trained_log.write({"resumed_from": 0, "checkpoint": None})
             return
         state = load_trainer_state(ckpt)
         await self._torch(self.trainer.load, ckpt)

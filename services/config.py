@@ -23,6 +23,8 @@ class RunSection(Section):
     """Parent directory of run directories."""
     seed: int = 0
     """Seed for data generation, model init and sampling."""
+    max_restarts: int = Field(3, ge=0)
+    """Times `rlmesh up` restarts a crashed service (with exponential backoff) before failing the run."""
 
 
 class TinyModelSection(Section):

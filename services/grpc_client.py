@@ -4,6 +4,7 @@ call, and gRPC's own retry policy (exponential backoff) for UNAVAILABLE."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 import json
 import logging
 import time
@@ -90,10 +91,16 @@ def make_channel(
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
+class ExitedWhileStarting(RuntimeError):
+    """The process behind a server died before the server became SERVING."""
+
+
 async def wait_for_serving(
-    address: str, *, what: str, timeout_s: float, token: str | None = None, service: str = ""
+    address: str, *, what: str, timeout_s: float, token: str | None = None, service: str = "",
+    alive: Callable[[], bool] | None = None,
 ) -> None:
-    """Poll the standard health service until SERVING; log while waiting; raise on timeout."""
+    """Poll the standard health service until SERVING; log while waiting; raise on timeout, or at
+    once with ExitedWhileStarting when `alive()` says the server's process is gone."""
     deadline = time.monotonic() + timeout_s
     delay, last_log = 0.2, 0.0
     async with make_channel(address, token=token, default_timeout_s=2.0) as channel:
@@ -107,6 +114,8 @@ async def wait_for_serving(
             except grpc.aio.AioRpcError as err:
                 problem = err.code().name
             now = time.monotonic()
+            if alive is not None and not alive():
+                raise ExitedWhileStarting(f"{what} exited while starting")
             if now >= deadline:
                 raise TimeoutError(f"{what} at {address} not SERVING after {timeout_s:.0f}s (last: {problem})")
             if now - last_log > 10:

@@ -12,6 +12,8 @@ safe to call for different sessions from different threads at once.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -91,3 +93,11 @@ class MultiTurnEnvironment(Protocol):
 
 def is_multi_turn(env: object) -> bool:
     return callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))
+
+
+def nonfinite_error(reward: float, components: Mapping[str, float]) -> str:
+    """Why a reward cannot be trained on (NaN or infinite value), or "" if it can."""
+    if not math.isfinite(reward):
+        return f"reward is {reward}; rewards must be finite"
+    bad = sorted(k for k, v in components.items() if not math.isfinite(v))
+    return f"reward component(s) {', '.join(bad)} not finite; components must be finite" if bad else ""

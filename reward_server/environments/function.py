@@ -1,6 +1,9 @@
 """A user reward function loaded by import path (`package.module:function`) as an environment.
 The function takes (prompt_messages, completion, metadata) and returns a float or a dict with
-"reward" and optional components."""
+"reward" and optional components.
+
+Items are scored one per call (`max_batch_size = 1`), so a function that hangs or is slow on one
+item times out only that item."""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ def load_callable(path: str) -> Callable[..., Any]:
 
 
 class FunctionEnvironment:
+    max_batch_size = 1
+
     def __init__(self, name: str, path: str) -> None:
         self.name = name
         self.description = f"user reward function {path}"
