@@ -42,6 +42,7 @@ class RolloutWorker:
         await self.prompts.ensure_group()
         await self.trajectories.ensure_group()
         last_claim = last_touch = 0.0
+        replayed = False
         while True:
             if time.monotonic() - last_touch > self.prompts.claim_idle_ms / 3000:
                 await self.prompts.touch(self.consumer, *self._working)
@@ -54,7 +55,13 @@ class RolloutWorker:
                 await asyncio.sleep(0.01)
                 continue
             entries: list[Entry] = []
-            if time.monotonic() - last_claim > self.prompts.claim_idle_ms / 2000:
+            if not replayed:
+                # A server restarted under the same name first finishes what it held when it died.
+                entries = await self.prompts.read_own_pending(self.consumer, count=100000)
+                replayed = True
+                if entries:
+                    log.warning("resuming %d prompt groups this server held when it last stopped", len(entries))
+            elif time.monotonic() - last_claim > self.prompts.claim_idle_ms / 2000:
                 entries = await self.prompts.claim_stale(self.consumer, count=free)
                 if entries:
                     self.num_claimed += len(entries)

@@ -69,6 +69,11 @@ class QueueDepth:
 
 
 def connect(url: str) -> aioredis.Redis:
+    if url == "embedded":
+        raise ValueError("queue.url is 'embedded': only `rlmesh up` starts an embedded queue server; a service run "
+                         "on its own needs queue.url=redis://HOST:PORT of a running Valkey/Redis")
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"queue.url={url!r} is not a redis:// (or rediss://, unix://) URL")
     return aioredis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=5, health_check_interval=30)
 
 

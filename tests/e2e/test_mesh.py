@@ -109,6 +109,7 @@ def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
                  "logs/rollout-0.log", "logs/reward.log"):
         assert (run_dir / name).is_file(), name
     assert (Path(summary["checkpoint"]) / "model" / "model.safetensors").is_file()
+    assert (Path(summary["checkpoint"]) / "dcp" / ".metadata").is_file()
     assert "held-out accuracy: before" in up.output()
 
 
@@ -121,18 +122,6 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert up.finish(timeout=60) == 130
     assert "interrupted" in up.output()
     assert not up.leftovers(), f"processes outlived Ctrl-C: {up.leftovers()}"
-
-
-def test_a_crashed_service_stops_the_mesh_and_is_named(tmp_path):
-    up = Up(tmp_path / "run", "sft.num_steps=0")
-    up.wait_for(lambda: "rollout servers loading vLLM" in up.output(), 300, "services to start")
-    up.poll_children()
-    reward = [p for p in up.seen.values() if "reward" in _cmdline(p)]
-    assert reward, "reward server process not found"
-    reward[0].kill()
-    assert up.finish(timeout=60) == 1
-    assert "service 'reward' exited" in up.output()
-    assert not up.leftovers(), f"processes outlived the crash: {up.leftovers()}"
 
 
 def test_two_rollout_servers_share_the_work_and_the_broadcast(tmp_path):

@@ -90,3 +90,12 @@ def test_every_field_has_a_docstring():
         if not lines[idx + 1].strip().startswith('"""'):
             missing.append(f"{model.__name__}.{name}")
     assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_a_service_alone_with_the_embedded_queue_names_queue_url():
+    from services.queue import connect
+
+    with pytest.raises(ValueError, match="queue.url=redis://HOST:PORT"):
+        connect("embedded")
+    with pytest.raises(ValueError, match="queue.url='localhost:6379' is not a redis://"):
+        connect("localhost:6379")
