@@ -35,6 +35,7 @@ class RolloutWorker:
         self.num_inflight = 0
         self.num_completed = 0
         self.num_claimed = 0
+        self.num_duplicates = 0
         self._tasks: set[asyncio.Task] = set()
         self._working: set[str] = set()  # prompt entry ids being generated here
 
@@ -101,7 +102,9 @@ class RolloutWorker:
             group_id=group.group_id, run_id=group.run_id, prompt=group, prompt_token_ids=prompt_ids,
             samples=samples, generator_id=self.consumer, generation_seconds=time.monotonic() - t0,
         )
-        await self.trajectories.publish(group.group_id, trajectory.SerializeToString())
+        if await self.trajectories.publish(group.group_id, trajectory.SerializeToString()) is None:
+            self.num_duplicates += 1
+            log.warning("group %s was already published (generated twice); this copy is dropped", group.group_id)
         await self.prompts.ack(entry.id)
         self.num_completed += 1
 

@@ -126,8 +126,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 def test_two_rollout_servers_share_the_work_and_the_broadcast(tmp_path):
     run_dir = tmp_path / "run"
+    # A claim timeout far shorter than a generation round: live servers must keep their claims fresh.
     up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=12",
-            "learner.eval_every=0", "sft.num_steps=50")
+            "learner.eval_every=0", "sft.num_steps=50", "queue.claim_idle_ms=1500", "rollout.max_tokens=24")
     assert up.finish(timeout=900) == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -137,6 +138,11 @@ def test_two_rollout_servers_share_the_work_and_the_broadcast(tmp_path):
     assert producers == {"rollout-0", "rollout-1"}, f"both servers generated trained groups: {producers}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["weights_verified_versions"] >= 12 and summary["max_staleness_seen"] <= 1
+    for i in (0, 1):
+        log = (run_dir / "logs" / f"rollout-{i}.log").read_text()
+        assert "left pending by a dead rollout server" not in log, f"rollout-{i} claimed a live server's work"
+        assert "already published" not in log, f"rollout-{i} generated a group twice"
+    assert summary["num_duplicates"] == 0
     assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
 
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from learner.metrics import surviving_lineage
+from learner.metrics import read_metrics, surviving_lineage
 from services.ports import free_port
 from tests.e2e.test_mesh import Up, _cmdline
 
@@ -37,16 +37,7 @@ def _valkey(port: int, data_dir: Path):
 
 
 def _train_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return [r for r in rows if r.get("kind") == "train"]
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
 
 
 def _service(up: Up, needle: str) -> psutil.Process:
