@@ -37,14 +37,15 @@ class _DaemonPool:
         self._name, self._size = name, size
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._num_threads = self._num_idle = 0
+        # Jobs submitted and not finished; a thread is started whenever they outnumber the threads.
+        self._num_threads = self._num_jobs = 0
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
-            if self._num_idle == 0 and self._num_threads < self._size:
+            self._num_jobs += 1
+            if self._num_jobs > self._num_threads and self._num_threads < self._size:
                 self._num_threads += 1
-                self._num_idle += 1
                 threading.Thread(target=self._work, name=f"{self._name}-{self._num_threads}", daemon=True).start()
         self._jobs.put((future, fn, args))
         return future
@@ -52,15 +53,13 @@ class _DaemonPool:
     def _work(self) -> None:
         while True:
             future, fn, args = self._jobs.get()
-            with self._lock:
-                self._num_idle -= 1
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as err:  # handed to the awaiting caller
                     future.set_exception(err)
             with self._lock:
-                self._num_idle += 1
+                self._num_jobs -= 1
 
 
 class EnvRunner:

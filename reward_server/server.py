@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import uvloop
 
@@ -19,14 +20,22 @@ SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 async def serve(config: RunConfig, port: int) -> None:
     log = setup_logging("reward", config.logging.level)
     token = load_token(config.network.token_file, config.network.token_env)
-    service = RewardService(config.reward.functions, token=token, remote_timeout_s=config.reward.score_timeout_s)
-    for name, address in config.reward.remote.items():
-        service.register_remote(name, address)
+    section = config.reward
+    # RewardSection may not declare these fields yet; until it does, their defaults apply.
+    service = RewardService(
+        section.functions, token=token, remote_timeout_s=section.score_timeout_s,
+        env_timeout_s=getattr(section, "env_timeout_s", 30.0),
+        env_max_concurrency=getattr(section, "env_max_concurrency", 8),
+        session_idle_timeout_s=getattr(section, "session_idle_timeout_s", 600.0),
+        replica_id=getattr(section, "replica_id", None) or os.environ.get("RLMESH_REPLICA_ID") or None,
+    )
+    for name, address in section.remote.items():
+        await service.register_remote(name, address)
     server = await start_server(
         [(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
         host=config.network.host, port=port, token=token, tls=TLSFiles.from_env(),
     )
-    log.info("reward server on port %d; environments: %s", server.port,
+    log.info("reward server on port %d (replica %s); environments: %s", server.port, service.sessions.replica,
              ", ".join(e.name for e in service.environments()))
     await server.serve_forever(grace_s=5.0)
 

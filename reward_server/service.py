@@ -1,97 +1,319 @@
-"""Reward servicer: protobuf <-> environment calls. Local environments run in a thread; remote
-ones are proxied to the server registered for them."""
+"""Reward servicer: protobuf <-> environment calls.
+
+Local environments (built-in ones and user functions) run through an `EnvRunner` each: a bounded
+pool of worker threads with a timeout, so a hung or slow environment fails its own items and never
+starves the others. Remote environments are proxied to the server registered for them. Sessions
+(`Reset`/`Step`/`Close`) are routed by their id, which names this replica and the environment (see
+`reward_server.sessions`, which also says how sessions stay on one replica when scaled out).
+
+Errors: `Score` never fails as a call for what an environment does; every item gets a result, with
+`error` set when it could not be scored (an environment that raised, hung, returned NaN, or a
+remote that died or answered wrongly). Session calls fail with a status code instead:
+INVALID_ARGUMENT (bad metadata or session id), NOT_FOUND (unknown or expired session),
+FAILED_PRECONDITION (not multi-turn, another replica's session, episode over, step in flight),
+DEADLINE_EXCEEDED (the environment missed its timeout), INTERNAL (it raised or returned a non-finite
+reward), ABORTED (its remote server is gone). A session whose environment failed is closed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from reward_server.environments.arithmetic import ArithmeticEnvironment
-from reward_server.environments.base import ScoreInput, SingleTurnEnvironment
-from reward_server.environments.function import FunctionEnvironment
-from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.grpc_client import make_channel
+from reward_server.environments.base import Message, ScoreInput, is_multi_turn, nonfinite_error
+from reward_server.environments.calculator import CalculatorEnvironment
+from reward_server.environments.function import FunctionEnvironment, load_callable
+from reward_server.environments.guess_number import GuessNumberEnvironment
+from reward_server.remote import RemoteEnvironment
+from reward_server.runner import EnvironmentTimeout, EnvRunner
+from reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
+from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-BUILTIN = {"arithmetic": ArithmeticEnvironment}
+BUILTIN = {"arithmetic": ArithmeticEnvironment, "guess_number": GuessNumberEnvironment,
+           "calculator": CalculatorEnvironment}
+# Share of the caller's remaining deadline given to the environment, so that per-item errors get
+# back to the caller before its own deadline ends the whole call.
+_DEADLINE_SHARE = 0.9
+
+
+def to_messages(messages: Iterable[common_pb2.ChatMessage]) -> list[Message]:
+    out = []
+    for m in messages:
+        d = {"role": m.role, "content": m.content}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def to_proto_messages(env_name: str, messages: list[Message]) -> list[common_pb2.ChatMessage]:
+    try:
+        return [common_pb2.ChatMessage(**m) for m in messages]
+    except (TypeError, ValueError) as err:
+        raise SessionError("INTERNAL", f"environment {env_name!r} returned a malformed message ({err}); messages "
+                                       "are dicts of role, content, name, tool_call_id strings") from None
+
+
+def load_environment(name: str, path: str) -> Any:
+    """`module:function` is a single-turn reward function; `module:Class` (with reset and step) is
+    a multi-turn environment, constructed without arguments."""
+    obj = load_callable(path)
+    if isinstance(obj, type) and is_multi_turn(obj):
+        env = obj()
+        env.name = name
+        env.description = getattr(env, "description", "") or f"multi-turn environment {path}"
+        return env
+    return FunctionEnvironment(name, path)
+
+
+def _budget(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(remaining * _DEADLINE_SHARE, 0.001)
 
 
 class RewardService(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, functions: dict[str, str] | None = None, *, token: str | None = None,
-                 remote_timeout_s: float = 30.0) -> None:
-        self.local: dict[str, SingleTurnEnvironment] = {name: cls() for name, cls in BUILTIN.items()}
+                 remote_timeout_s: float = 30.0, env_timeout_s: float = 30.0, env_max_concurrency: int = 8,
+                 session_idle_timeout_s: float = 600.0, replica_id: str | None = None,
+                 builtin: Iterable[str] | None = None) -> None:
+        """`env_timeout_s` bounds every local environment call (a Score batch, a reset, a step);
+        `env_max_concurrency` is how many calls each local environment runs at once; `builtin`
+        picks the built-in environments to serve (all by default; none for a pure proxy)."""
+        names = list(BUILTIN) if builtin is None else list(builtin)
+        unknown = sorted(set(names) - set(BUILTIN))
+        if unknown:
+            raise ValueError(f"unknown built-in environment(s) {', '.join(unknown)}; choices: {', '.join(BUILTIN)}")
+        self._env_max_concurrency, self._env_timeout_s = env_max_concurrency, env_timeout_s
+        self.local: dict[str, Any] = {}
+        self._runners: dict[str, EnvRunner] = {}
+        for name in names:
+            self.add_local(name, BUILTIN[name]())
         for name, path in (functions or {}).items():
-            self.local[name] = FunctionEnvironment(name, path)
-        self.remote: dict[str, tuple[str, reward_pb2_grpc.RewardServiceStub]] = {}
+            self.add_local(name, load_environment(name, path))
+        self.remote: dict[str, RemoteEnvironment] = {}
+        self.sessions = SessionTable(replica_id or uuid.uuid4().hex[:8], session_idle_timeout_s)
         self._token, self._remote_timeout_s = token, remote_timeout_s
+        self._background: set[asyncio.Task] = set()
 
-    def register_remote(self, name: str, address: str) -> reward_pb2.EnvironmentInfo:
+    def add_local(self, name: str, env: Any) -> None:
+        """Serve `env` (a single- or multi-turn environment object) under `name`."""
+        check_name("environment", name)
+        if name in self.local:
+            raise ValueError(f"environment {name!r} is already served here; pick another name")
+        self.local[name] = env
+        self._runners[name] = EnvRunner(name, max_concurrency=self._env_max_concurrency,
+                                        timeout_s=self._env_timeout_s)
+
+    async def register_remote(self, name: str, address: str) -> reward_pb2.EnvironmentInfo:
         if name in self.local:
             raise ValueError(f"environment {name!r} is already served locally; pick another name")
-        channel = make_channel(address, token=self._token, default_timeout_s=self._remote_timeout_s)
-        self.remote[name] = (address, reward_pb2_grpc.RewardServiceStub(channel))
+        check_name("environment", name)
+        remote = RemoteEnvironment(name, address, token=self._token, timeout_s=self._remote_timeout_s)
+        try:
+            await remote.describe()
+        except ValueError:
+            await remote.channel.close()
+            raise
+        old = self.remote.pop(name, None)
+        if old is not None:
+            self._spawn(old.channel.close(grace=5.0))
+        self.remote[name] = remote
         log.info("environment %s now proxied to %s", name, address)
-        return reward_pb2.EnvironmentInfo(name=name, kind="single_turn", remote_address=address)
+        return remote.info()
 
     def environments(self) -> list[reward_pb2.EnvironmentInfo]:
-        infos = [reward_pb2.EnvironmentInfo(name=n, kind="single_turn", description=e.description)
-                 for n, e in sorted(self.local.items())]
-        infos += [reward_pb2.EnvironmentInfo(name=n, kind="single_turn", remote_address=a)
-                  for n, (a, _) in sorted(self.remote.items())]
-        return infos
+        infos = [reward_pb2.EnvironmentInfo(name=n, kind="multi_turn" if is_multi_turn(e) else "single_turn",
+                                            description=e.description) for n, e in sorted(self.local.items())]
+        return infos + [r.info() for _, r in sorted(self.remote.items())]
 
-    async def score(self, items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- Score -------------------------------------------------------------------------------
+
+    async def score(self, items: list[reward_pb2.ScoreItem], budget_s: float | None = None,
+                    ) -> list[reward_pb2.ScoreResult]:
         results: list[reward_pb2.ScoreResult | None] = [None] * len(items)
         by_env: dict[str, list[int]] = defaultdict(list)
         for i, item in enumerate(items):
             by_env[item.env_name].append(i)
 
+        def fail(idx: list[int], msg: str) -> None:
+            for i in idx:
+                results[i] = reward_pb2.ScoreResult(id=items[i].id, error=msg)
+
         async def run(env_name: str, idx: list[int]) -> None:
-            if env_name in self.local:
-                env = self.local[env_name]
-                inputs = [ScoreInput(items[i].id, [{"role": m.role, "content": m.content} for m in items[i].prompt],
-                                     items[i].completion, MessageToDict(items[i].env_metadata)) for i in idx]
-                try:
-                    outputs = await asyncio.to_thread(env.score, inputs)
-                except Exception as err:
-                    log.exception("environment %s failed on a batch of %d", env_name, len(idx))
-                    msg = f"environment {env_name!r} raised {type(err).__name__}: {err}"
-                    outputs = [None] * len(idx)
-                    for i in idx:
-                        results[i] = reward_pb2.ScoreResult(id=items[i].id, error=msg)
-                    return
-                for i, out in zip(idx, outputs):
-                    results[i] = reward_pb2.ScoreResult(id=items[i].id, reward=out.reward,
-                                                        components=out.components, error=out.error)
-            elif env_name in self.remote:
-                address, stub = self.remote[env_name]
-                try:
-                    reply = await stub.Score(reward_pb2.ScoreRequest(items=[items[i] for i in idx]))
-                except grpc.aio.AioRpcError as err:
-                    msg = f"remote environment {env_name!r} at {address} failed: {err.code().name}: {err.details()}"
-                    for i in idx:
-                        results[i] = reward_pb2.ScoreResult(id=items[i].id, error=msg)
-                    return
-                for i, res in zip(idx, reply.results):
+            if env_name in self.remote:
+                remote_results = await self.remote[env_name].score([items[i] for i in idx], budget_s)
+                for i, res in zip(idx, remote_results):
                     results[i] = res
-            else:
+            elif env_name not in self.local:
                 known = sorted([*self.local, *self.remote])
-                for i in idx:
-                    results[i] = reward_pb2.ScoreResult(
-                        id=items[i].id, error=f"unknown environment {env_name!r}; known: {', '.join(known)}")
+                fail(idx, f"unknown environment {env_name!r}; known: {', '.join(known)}")
+            elif is_multi_turn(self.local[env_name]):
+                fail(idx, f"environment {env_name!r} is multi-turn: run its episodes with Reset/Step/Close")
+            else:
+                size = getattr(self.local[env_name], "max_batch_size", None) or len(idx)
+                await asyncio.gather(*(self._score_local(env_name, items, idx[k:k + size], results, budget_s)
+                                       for k in range(0, len(idx), size)))
 
         await asyncio.gather(*(run(env, idx) for env, idx in by_env.items()))
         return results  # type: ignore[return-value]
 
-    # --- gRPC methods -------------------------------------------------------------------------
+    async def _score_local(self, env_name: str, items: list[reward_pb2.ScoreItem], idx: list[int],
+                           results: list, budget_s: float | None) -> None:
+        env = self.local[env_name]
+        inputs = [ScoreInput(items[i].id, to_messages(items[i].prompt), items[i].completion,
+                             MessageToDict(items[i].env_metadata)) for i in idx]
+        error = ""
+        try:
+            outputs = await self._runners[env_name].call("score", env.score, inputs, timeout_s=budget_s)
+            if len(outputs) != len(inputs):
+                error = f"environment {env_name!r} returned {len(outputs)} results for {len(inputs)} items"
+        except EnvironmentTimeout as err:
+            error = str(err)
+        except Exception as err:
+            log.exception("environment %s failed on a batch of %d", env_name, len(idx))
+            error = f"environment {env_name!r} raised {type(err).__name__}: {err}"
+        if error:
+            for i in idx:
+                results[i] = reward_pb2.ScoreResult(id=items[i].id, error=error)
+            return
+        for i, out in zip(idx, outputs):
+            bad = out.error or nonfinite_error(out.reward, out.components)
+            results[i] = (reward_pb2.ScoreResult(id=items[i].id, error=out.error or f"environment {env_name!r}: {bad}")
+                          if bad else reward_pb2.ScoreResult(id=items[i].id, reward=out.reward,
+                                                             components=out.components))
+
+    # --- Sessions ----------------------------------------------------------------------------
+
+    async def _env_call(self, env_name: str, what: str, fn, *args, budget_s: float | None):
+        """A local environment call, its failures turned into `SessionError`s."""
+        try:
+            return await self._runners[env_name].call(what, fn, *args, timeout_s=budget_s)
+        except EnvironmentTimeout as err:
+            raise SessionError("DEADLINE_EXCEEDED", str(err)) from None
+        except ValueError as err:
+            raise SessionError("INVALID_ARGUMENT", f"environment {env_name!r} {what}: {err}") from None
+        except Exception as err:
+            log.exception("environment %s failed in %s", env_name, what)
+            raise SessionError("INTERNAL", f"environment {env_name!r} {what} raised {type(err).__name__}: {err}") \
+                from None
+
+    async def reset(self, request: reward_pb2.ResetRequest, budget_s: float | None = None,
+                    ) -> reward_pb2.ResetResponse:
+        name = request.env_name
+        for session in self.sessions.evict_idle():
+            log.info("closing session of %s idle for over %.0fs", session.env_name, self.sessions.idle_timeout_s)
+            self._spawn(self._close_quietly(session))
+        if name in self.remote:
+            reply = await self.remote[name].reset(request, budget_s)
+            reply.session_id = str(self.sessions.new_id(name, reply.session_id))
+            return reply
+        env = self.local.get(name)
+        if env is None:
+            raise SessionError("NOT_FOUND", f"unknown environment {name!r}; known: "
+                                            f"{', '.join(sorted([*self.local, *self.remote]))}")
+        if not is_multi_turn(env):
+            raise SessionError("FAILED_PRECONDITION", f"Reset: environment {name!r} is single-turn and has no "
+                                                      "multi-turn sessions; score it with Score")
+
+        def start(metadata: dict, prompt: list[Message]):
+            return env.reset(metadata, prompt), env.tools()
+
+        out, tools = await self._env_call(name, "reset", start, MessageToDict(request.env_metadata),
+                                          to_messages(request.prompt), budget_s=budget_s)
+        try:
+            reply = reward_pb2.ResetResponse(observation=to_proto_messages(name, out.observation))
+            for tool in tools:
+                reply.tools.add().update(tool)
+        except (SessionError, TypeError, ValueError, AttributeError) as err:
+            self._spawn(self._close_quietly(LocalSession(name, out.state)))
+            if isinstance(err, SessionError):
+                raise
+            raise SessionError("INTERNAL", f"environment {name!r} tools() returned something other than a list "
+                                           f"of JSON objects: {err}") from None
+        sid = self.sessions.new_id(name)
+        self.sessions.add(sid, LocalSession(name, out.state))
+        reply.session_id = str(sid)
+        return reply
+
+    async def step(self, request: reward_pb2.StepRequest, budget_s: float | None = None) -> reward_pb2.StepResponse:
+        sid = self.sessions.route(request.session_id)
+        if sid.env_name in self.remote:
+            return await self.remote[sid.env_name].step(sid.inner, request.action, budget_s)
+        session = self.sessions.get(sid)
+        if session.busy:
+            raise SessionError("FAILED_PRECONDITION", f"session {request.session_id!r} already has a step running; "
+                                                      "send one step at a time")
+        if session.done:
+            raise SessionError("FAILED_PRECONDITION", f"session {request.session_id!r}: the episode is over; "
+                                                      "Close the session")
+        env = self.local[sid.env_name]
+        session.busy = True
+        try:
+            out = await self._env_call(sid.env_name, "step", env.step, session.state, to_messages([request.action])[0],
+                                       budget_s=budget_s)
+            bad = nonfinite_error(out.reward, out.components)
+            if bad:
+                raise SessionError("INTERNAL", f"environment {sid.env_name!r} step: {bad}")
+            try:
+                reply = reward_pb2.StepResponse(observation=to_proto_messages(sid.env_name, out.observation),
+                                                reward=out.reward, done=out.done, components=out.components)
+                reply.metadata.update(out.metadata)
+            except (TypeError, ValueError, AttributeError) as err:
+                raise SessionError("INTERNAL", f"environment {sid.env_name!r} step returned a bad StepOutput: "
+                                               f"{err}") from None
+        except SessionError:
+            await self._drop(sid)
+            raise
+        finally:
+            session.busy = False
+        session.done = out.done
+        return reply
+
+    async def close(self, request: reward_pb2.CloseRequest, budget_s: float | None = None) -> None:
+        """Closing an unknown local session succeeds, so that a retried Close is harmless."""
+        sid = self.sessions.route(request.session_id)
+        if sid.env_name in self.remote:
+            await self.remote[sid.env_name].close(sid.inner, budget_s)
+            return
+        session = self.sessions.pop(sid)
+        if session is not None:
+            await self._env_call(sid.env_name, "close", self.local[sid.env_name].close, session.state,
+                                 budget_s=budget_s)
+
+    async def _drop(self, sid) -> None:
+        """End a session whose environment failed; its close runs in the background."""
+        session = self.sessions.pop(sid)
+        if session is not None:
+            self._spawn(self._close_quietly(session))
+
+    async def _close_quietly(self, session: LocalSession) -> None:
+        try:
+            await self._env_call(session.env_name, "close", self.local[session.env_name].close, session.state,
+                                 budget_s=None)
+        except SessionError as err:
+            log.warning("closing a session of %s failed: %s", session.env_name, err)
+
+    # --- gRPC methods ------------------------------------------------------------------------
 
     async def Score(self, request, context):
-        return reward_pb2.ScoreResponse(results=await self.score(list(request.items)))
+        return reward_pb2.ScoreResponse(results=await self.score(list(request.items), _budget(context)))
 
     async def ListEnvironments(self, request, context):
         return reward_pb2.ListEnvironmentsResponse(environments=self.environments())
@@ -99,27 +321,27 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
     async def RegisterEnvironment(self, request, context):
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RegisterEnvironment needs both name and address")
+        if request.name in self.local:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"environment {request.name!r} is already served locally; pick another name")
         try:
-            info = self.register_remote(request.name, request.address)
+            info = await self.register_remote(request.name, request.address)
         except ValueError as err:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return reward_pb2.RegisterEnvironmentResponse(environment=info)
 
-    async def _proxy_session(self, method: str, env_name: str | None, request, context):
-        # Sessions are served by remote multi-turn environments; no built-in one is multi-turn yet.
-        if env_name is not None and env_name in self.remote:
-            return await getattr(self.remote[env_name][1], method)(request)
-        await context.abort(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"{method}: environment {env_name!r} has no multi-turn sessions here; register a remote "
-            "multi-turn environment with RegisterEnvironment",
-        )
+    async def _session_rpc(self, call, request, context):
+        try:
+            return await call(request, _budget(context))
+        except SessionError as err:
+            await context.abort(grpc.StatusCode[err.code], str(err))
 
     async def Reset(self, request, context):
-        return await self._proxy_session("Reset", request.env_name, request, context)
+        return await self._session_rpc(self.reset, request, context)
 
     async def Step(self, request, context):
-        return await self._proxy_session("Step", None, request, context)
+        return await self._session_rpc(self.step, request, context)
 
     async def Close(self, request, context):
-        return await self._proxy_session("Close", None, request, context)
+        await self._session_rpc(self.close, request, context)
+        return reward_pb2.CloseResponse()

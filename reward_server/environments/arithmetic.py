@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from reward_server.environments.base import ScoreInput, ScoreOutput
+from reward_server.environments.base import ScoreInput, ScoreOutput, as_int
 
 _INT = re.compile(r"-?\d+")
 
@@ -24,9 +24,8 @@ class ArithmeticEnvironment:
         answer = item.metadata.get("answer")
         if answer is None:
             return ScoreOutput(error="metadata has no 'answer' field; the prompt group must carry env_metadata.answer")
-        try:
-            expected = int(str(answer).strip())
-        except ValueError:
+        expected = as_int(answer)
+        if expected is None:
             return ScoreOutput(error=f"metadata.answer={answer!r} is not an integer")
         # A completion without the right number is wrong, not unscorable: reward 0, trained on.
         text = item.completion.strip()

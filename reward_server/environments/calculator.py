@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
+from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
 from reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
 
 _INT = re.compile(r"-?\d+")
@@ -51,24 +51,12 @@ class CalculatorState:
     done: bool = False
 
 
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and _INT.fullmatch(value.strip()):
-        return int(value)
-    return None
-
-
 def add(arguments: dict[str, Any]) -> str:
     """The `add` tool: the sum as text, or an error the model can read."""
     extra = sorted(set(arguments) - {"a", "b"})
     if extra:
         return f"error: add takes only a and b, got also {', '.join(extra)}"
-    values = {k: _as_int(arguments.get(k)) for k in ("a", "b")}
+    values = {k: as_int(arguments.get(k)) for k in ("a", "b")}
     bad = [f"{k}={arguments.get(k)!r}" for k, v in values.items() if v is None]
     if bad:
         return f"error: add needs integer arguments a and b; got {', '.join(bad)}"
@@ -83,16 +71,16 @@ class CalculatorEnvironment:
         return [ADD_TOOL]
 
     def reset(self, metadata: dict[str, Any], prompt: list[Message]) -> ResetOutput:
-        answer = _as_int(metadata.get("answer"))
+        answer = as_int(metadata.get("answer"))
         if answer is None:
             raise ValueError(f"calculator: metadata.answer={metadata.get('answer')!r} is not an integer; "
                              "the prompt group must carry env_metadata.answer")
-        max_turns = _as_int(metadata.get("max_turns", 4))
+        max_turns = as_int(metadata.get("max_turns", 4))
         if max_turns is None or max_turns < 1:
             raise ValueError(f"calculator: metadata.max_turns={metadata.get('max_turns')!r} must be an integer >= 1")
         observation = []
         if not prompt:
-            a, b = _as_int(metadata.get("a")), _as_int(metadata.get("b"))
+            a, b = as_int(metadata.get("a")), as_int(metadata.get("b"))
             if a is None or b is None:
                 raise ValueError("calculator: an empty prompt needs integer metadata.a and metadata.b to state the task")
             observation = [{"role": "user", "content": f"What is {a} + {b}? Use the add tool, then answer with "

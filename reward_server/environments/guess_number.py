@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
+from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
 
 _INT = re.compile(r"-?\d+")
 
@@ -33,11 +33,10 @@ class GuessState:
 
 
 def _int_field(metadata: dict[str, Any], key: str, default: int) -> int:
-    value = metadata.get(key, default)
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        raise ValueError(f"guess_number: metadata.{key}={value!r} is not an integer") from None
+    value = as_int(metadata.get(key, default))
+    if value is None:
+        raise ValueError(f"guess_number: metadata.{key}={metadata[key]!r} is not an integer")
+    return value
 
 
 class GuessNumberEnvironment:
