@@ -48,8 +48,10 @@ class GlooTransport:
         assert self.group is not None, "form_group before send"
         digest = hashlib.sha256()
         for flat in flat_buckets(named, metas):
-            self.group.broadcast(flat, 0).wait()
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
+            work = self.group.broadcast(flat, 0)
+            # Hash while gloo's own thread moves the bucket (hashlib releases the GIL; no copy).
+            digest.update(flat.view(torch.uint8).numpy())
+            work.wait()
         return digest.hexdigest()
 
     def verify(self, epoch: int, version: int, digest: str, ranks: list[int], timeout_s: float) -> str:
@@ -90,5 +92,5 @@ def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: hashlib._
         flat = torch.empty(sum(metas[i].numel for i in idx), dtype=dtype)
         group.broadcast(flat, 0).wait()
         if digest is not None:
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
+            digest.update(flat.view(torch.uint8).numpy())
         yield from unflatten(flat, metas, idx)

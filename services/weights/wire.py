@@ -74,7 +74,7 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]], metas: list[Tensor
         metas = describe(named)
     digest = hashlib.sha256()
     for flat in flat_buckets(named, metas):
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+        digest.update(flat.view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
