@@ -97,12 +97,12 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             raise ValueError(f"unknown built-in environment(s) {', '.join(unknown)}; choices: {', '.join(BUILTIN)}")
         self._env_max_concurrency, self._env_timeout_s = env_max_concurrency, env_timeout_s
         self.local: dict[str, Any] = {}
+        self.remote: dict[str, RemoteEnvironment] = {}
         self._runners: dict[str, EnvRunner] = {}
         for name in names:
             self.add_local(name, BUILTIN[name]())
         for name, path in (functions or {}).items():
             self.add_local(name, load_environment(name, path))
-        self.remote: dict[str, RemoteEnvironment] = {}
         self.sessions = SessionTable(replica_id or uuid.uuid4().hex[:8], session_idle_timeout_s)
         self._token, self._remote_timeout_s = token, remote_timeout_s
         self._background: set[asyncio.Task] = set()
@@ -110,7 +110,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
     def add_local(self, name: str, env: Any) -> None:
         """Serve `env` (a single- or multi-turn environment object) under `name`."""
         check_name("environment", name)
-        if name in self.local:
+        if name in self.local or name in self.remote:
             raise ValueError(f"environment {name!r} is already served here; pick another name")
         self.local[name] = env
         self._runners[name] = EnvRunner(name, max_concurrency=self._env_max_concurrency,
@@ -164,7 +164,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             elif env_name not in self.local:
                 known = sorted([*self.local, *self.remote])
                 fail(idx, f"unknown environment {env_name!r}; known: {', '.join(known)}")
-            elif is_multi_turn(self.local[env_name]):
+            elif not callable(getattr(self.local[env_name], "score", None)):
                 fail(idx, f"environment {env_name!r} is multi-turn: run its episodes with Reset/Step/Close")
             else:
                 size = getattr(self.local[env_name], "max_batch_size", None) or len(idx)
@@ -278,8 +278,9 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             except (TypeError, ValueError, AttributeError) as err:
                 raise SessionError("INTERNAL", f"environment {sid.env_name!r} step returned a bad StepOutput: "
                                                f"{err}") from None
-        except SessionError:
-            await self._drop(sid)
+        except (SessionError, asyncio.CancelledError):
+            # The state may be half-updated, or still in use by a step that timed out: never reuse it.
+            self._drop(sid)
             raise
         finally:
             session.busy = False
@@ -297,7 +298,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             await self._env_call(sid.env_name, "close", self.local[sid.env_name].close, session.state,
                                  budget_s=budget_s)
 
-    async def _drop(self, sid) -> None:
+    def _drop(self, sid) -> None:
         """End a session whose environment failed; its close runs in the background."""
         session = self.sessions.pop(sid)
         if session is not None:

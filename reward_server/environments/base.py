@@ -88,7 +88,8 @@ class MultiTurnEnvironment(Protocol):
         """Apply the model's assistant message to the session's state."""
 
     def close(self, state: Any) -> None:
-        """Release what the session holds; called once, also for episodes that did not finish."""
+        """Release what the session holds. Called once, also for episodes that did not finish, and
+        then possibly while a step of the session that missed its timeout still runs."""
 
 
 def is_multi_turn(env: object) -> bool:

@@ -82,7 +82,8 @@ class CalculatorEnvironment:
         if not prompt:
             a, b = as_int(metadata.get("a")), as_int(metadata.get("b"))
             if a is None or b is None:
-                raise ValueError("calculator: an empty prompt needs integer metadata.a and metadata.b to state the task")
+                raise ValueError("calculator: an empty prompt needs integer metadata.a and metadata.b to state "
+                                 "the task")
             observation = [{"role": "user", "content": f"What is {a} + {b}? Use the add tool, then answer with "
                                                        "the number only."}]
         return ResetOutput(CalculatorState(answer, max_turns), observation)

@@ -163,7 +163,8 @@ async def test_local_guess_number_episode(servers):
     main, _ = servers
     async with make_channel(f"127.0.0.1:{main.port}") as channel:
         stub = reward_pb2_grpc.RewardServiceStub(channel)
-        envs = {e.name: e.kind for e in (await stub.ListEnvironments(reward_pb2.ListEnvironmentsRequest())).environments}
+        listed = await stub.ListEnvironments(reward_pb2.ListEnvironmentsRequest())
+        envs = {e.name: e.kind for e in listed.environments}
         assert envs["guess_number"] == "multi_turn" and envs["arithmetic"] == "single_turn"
         reset = await stub.Reset(reward_pb2.ResetRequest(env_name="guess_number", env_metadata=_struct({"secret": 5}),
                                                          prompt=[common_pb2.ChatMessage(role="user", content="Guess")]))

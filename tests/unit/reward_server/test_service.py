@@ -1,6 +1,7 @@
 """RewardService without a server: scoring isolation (hung, NaN, multi-turn names) and local
 sessions. The gRPC side is in tests/integration/test_reward_server.py."""
 
+import asyncio
 import threading
 import time
 
@@ -164,3 +165,27 @@ def test_builtin_selection_is_checked():
     assert [e.name for e in RewardService(builtin=["guess_number"]).environments()] == ["guess_number"]
     with pytest.raises(ValueError, match="unknown built-in environment.*choices: arithmetic"):
         RewardService(builtin=["chess"])
+
+
+async def test_a_cancelled_step_ends_its_session():
+    RELEASE.clear()
+    service = RewardService({"nan": f"{__name__}:NaNStepEnv"}, builtin=[], env_timeout_s=5)
+    sid = (await service.reset(reward_pb2.ResetRequest(env_name="nan"))).session_id
+    task = asyncio.ensure_future(service.step(reward_pb2.StepRequest(session_id=sid, action=_action("hang"))))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    RELEASE.set()
+    with pytest.raises(SessionError, match="no session"):
+        await service.step(reward_pb2.StepRequest(session_id=sid, action=_action("x")))
+
+
+async def test_idle_sessions_are_evicted_on_reset():
+    service = RewardService(builtin=["guess_number"], session_idle_timeout_s=0.05)
+    first = (await service.reset(reward_pb2.ResetRequest(env_name="guess_number"))).session_id
+    await asyncio.sleep(0.1)
+    await service.reset(reward_pb2.ResetRequest(env_name="guess_number"))
+    assert len(service.sessions) == 1
+    with pytest.raises(SessionError, match="idle for more than"):
+        await service.step(reward_pb2.StepRequest(session_id=first, action=_action("1")))
