@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlmesh-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit demo proto clean
+.PHONY: setup test test-unit demo bench proto clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ test-unit: setup
 
 demo: setup
 	$(VENV)/bin/rlmesh up -c examples/arithmetic_grpo.yaml
+
+bench: setup  # every benchmark side by side with its baseline; one table in bench/results/
+	$(PY) bench/run_all.py $(BENCH_ARGS)
 
 proto: setup
 	PYTHON=$(PY) scripts/gen_proto.sh

@@ -17,10 +17,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from services.ports import free_port
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from services.ports import free_port  # noqa: E402
 
 
 async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
@@ -48,7 +48,9 @@ async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens
     return sum(counts), elapsed
 
 
-async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: Path) -> tuple[int, float]:
+async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: Path, rollout: dict | None = None,
+               system: str | None = None) -> tuple[int, float]:
+    """The mesh path; `rollout` overrides the rollout config, `system` prepends a shared system prompt."""
     import yaml
 
     from learner.membership import LearnerService, Membership
@@ -65,7 +67,7 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
     reward_port = free_port()
     cfg = {"model": {"type": "hf", "path": str(model_dir)}, "queue": {"url": valkey.connection_url},
            "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
-           "rollout": {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256}}
+           "rollout": {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256, **(rollout or {})}}
     (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cli = [sys.executable, "-m", "entrypoints.cli"]
@@ -86,6 +88,8 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
             for i in range(count):
                 g = common_pb2.PromptGroup(group_id=uuid.uuid4().hex, env_name="arithmetic", n=n,
                                            messages=[common_pb2.ChatMessage(role="user", content=f"{i % 10}+{i % 7}=")])
+                if system:
+                    g.messages.insert(0, common_pb2.ChatMessage(role="system", content=system))
                 g.env_metadata.update({"answer": str(i % 10 + i % 7)})
                 await prompts.publish(g.group_id, g.SerializeToString())
             tokens, got = 0, 0
@@ -114,6 +118,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64, help="prompt groups per measured round")
     parser.add_argument("--n", type=int, default=8, help="samples per group")
     parser.add_argument("--max-tokens", type=int, default=64, help="completion length cap")
+    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -136,6 +141,11 @@ def main() -> None:
     print(f"{'rollout server via queue + reward':<34}{mesh_tokens:>10}{mesh_s:>10.2f}{mesh_tps:>12.0f}")
     print(f"ratio (rollout server / raw vLLM): {mesh_tps / raw_tps:.2f}  "
           f"[{args.groups} groups x {args.n} samples, max_tokens {args.max_tokens}]")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"raw_tokens_per_s": raw_tps, "mesh_tokens_per_s": mesh_tps,
+                                               "ratio": mesh_tps / raw_tps}, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ async def serve(config: RunConfig, port: int) -> None:
     log = setup_logging("reward", config.logging.level)
     token = load_token(config.network.token_file, config.network.token_env)
     section = config.reward
-    # RewardSection may not declare these fields yet; until it does, their defaults apply.
     service = RewardService(
         section.functions, token=token, remote_timeout_s=section.score_timeout_s,
-        env_timeout_s=getattr(section, "env_timeout_s", 30.0),
-        env_max_concurrency=getattr(section, "env_max_concurrency", 8),
-        session_idle_timeout_s=getattr(section, "session_idle_timeout_s", 600.0),
-        replica_id=getattr(section, "replica_id", None) or os.environ.get("RLMESH_REPLICA_ID") or None,
+        env_timeout_s=section.env_timeout_s,
+        env_max_concurrency=section.env_max_concurrency,
+        session_idle_timeout_s=section.session_idle_timeout_s,
+        replica_id=section.replica_id or os.environ.get("RLMESH_REPLICA_ID") or None,
     )
     for name, address in section.remote.items():
         await service.register_remote(name, address)

@@ -49,8 +49,8 @@ class VLLMGenerator:
             enforce_eager=self.cfg.enforce_eager,
             max_model_len=self.cfg.max_model_len,
             seed=self.seed,
-            # Prefix blocks computed under old weights must not be reused after an update.
-            enable_prefix_caching=False,
+            # Prefix blocks computed under old weights are dropped at every update (finish_weight_update).
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
             # Logprobs of the distribution actually sampled from (after temperature / top-p).
             logprobs_mode="processed_logprobs",
             weight_transfer_config={"backend": self.weight_backend},
@@ -141,6 +141,10 @@ class VLLMGenerator:
 
     async def finish_weight_update(self, version: int) -> None:
         await self.engine.finish_weight_update(weight_version=str(version))
+        if self.cfg.enable_prefix_caching:
+            # Old-weight KV must never serve a new-weight token: drop the cache, and recompute the
+            # KV of requests paused mid-generation (they resume under the new weights).
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
         self.update_active = False
         self.version = version
 

@@ -117,6 +117,8 @@ class RolloutSection(Section):
     """vLLM weights dtype (float32 keeps CPU logprobs close to the learner's)."""
     enforce_eager: bool = True
     """Skip torch.compile / graphs (much faster start-up on CPU)."""
+    enable_prefix_caching: bool = False
+    """Reuse the KV of shared prompt prefixes (the n samples of a group, shared system prompts); the cache is reset at every weight update, so KV computed by old weights is never reused."""
     kv_cache_gib: int = Field(1, ge=1)
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_cores: str = "auto"
@@ -130,6 +132,14 @@ class RewardSection(Section):
     """Remote environment servers to proxy: name -> host:port."""
     score_timeout_s: float = Field(30.0, gt=0)
     """Deadline of one batched Score call."""
+    env_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one local environment call (a Score batch or item, a reset, a step); past it the item fails or the step returns DEADLINE_EXCEEDED."""
+    env_max_concurrency: int = Field(8, ge=1)
+    """Calls one local environment runs at once; hung calls use up only these slots."""
+    session_idle_timeout_s: float = Field(600.0, gt=0)
+    """Multi-turn sessions idle this long are closed."""
+    replica_id: str | None = None
+    """Names this reward-server replica in session ids (e.g. the pod name); random per start when unset."""
 
 
 class FSDP2BackendSection(Section):

@@ -40,7 +40,9 @@ async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
         "model": {"type": "hf", "path": str(tiny_model_dir)},
         "queue": {"url": valkey_url, "prompt_stream": f"p-{suffix}", "trajectory_stream": f"t-{suffix}"},
         "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
-        "rollout": {"max_tokens": 8, "max_model_len": 128},
+        # Prefix caching on: the weight-update tests below then also prove that KV computed by old
+        # weights is never reused for the same prompt after an update.
+        "rollout": {"max_tokens": 8, "max_model_len": 512, "enable_prefix_caching": True},
     }
     cfg_path = tmp / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
@@ -219,6 +221,30 @@ async def test_update_left_open_by_a_dead_learner_is_recovered(mesh, tiny_model_
     stub = membership.generators["gen-0"].stub
     prompt_ids, (sample,) = await _generate(stub, _prompt(1, greedy=True, content="5+5="))
     assert sample.min_version == 2
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False,
+                            eos_token_id=model.config.eos_token_id, pad_token_id=0)[0, len(prompt_ids):].tolist()
+    assert list(sample.completion.token_ids) == hf[: len(sample.completion.token_ids)]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_prefix_cache_never_serves_kv_of_old_weights(mesh, tiny_model_dir):
+    """A long prompt is cached under the current weights, the weights change, and the same prompt
+    must then decode exactly as the new model does (reused old KV would change the tokens)."""
+    import torch
+
+    membership = mesh["membership"]
+    stub = membership.generators["gen-0"].stub
+    long_prompt = "Add the numbers and answer with digits only. " * 8 + "4+5="
+    before = [await _generate(stub, _prompt(1, greedy=True, content=long_prompt)) for _ in range(2)]
+    assert before[0][1][0].completion.token_ids == before[1][1][0].completion.token_ids
+
+    model = _perturbed_hf_model(tiny_model_dir, seed=3)
+    version = mesh["state"]["version"] + 1
+    mesh["state"]["version"] = version
+    await mesh["broadcaster"].broadcast(version, WeightSource.of(list(model.state_dict().items())))
+    prompt_ids, (sample,) = await _generate(stub, _prompt(1, greedy=True, content=long_prompt))
+    assert len(prompt_ids) > 300 and sample.min_version == version
     with torch.no_grad():
         hf = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False,
                             eos_token_id=model.config.eos_token_id, pad_token_id=0)[0, len(prompt_ids):].tolist()

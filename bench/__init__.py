@@ -1,0 +1,1 @@
+"""Benchmarks: each runs both sides of a comparison in one invocation."""
