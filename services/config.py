@@ -149,12 +149,25 @@ class FSDP2BackendSection(Section):
     """Compute dtype of the sharded parameters."""
 
 
-BackendSection = FSDP2BackendSection
+class MegatronBackendSection(Section):
+    type: Literal["megatron"] = "megatron"
+    """Megatron-core GPTModel (HF Qwen2/Llama converted in and out), its DDP and distributed optimizer."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel size (splits attention heads, MLP and vocabulary over ranks)."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline-parallel size (splits the layers into stages); data parallel = num_ranks / (tensor * pipeline)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype (bfloat16 keeps float32 master weights in the optimizer)."""
+
+
+BackendSection = Annotated[
+    Union[FSDP2BackendSection, MegatronBackendSection], Field(discriminator="type")
+]
 
 
 class LearnerSection(Section):
     backend: BackendSection = FSDP2BackendSection()
-    """Training backend, chosen by `type` (fsdp2)."""
+    """Training backend, chosen by `type` (fsdp2, megatron)."""
     num_ranks: int = Field(1, ge=1)
     """Training processes; above 1, `rlmesh up` launches the learner under torchrun (rank 0 is the controller)."""
     max_restarts: int = Field(3, ge=0)
@@ -302,6 +315,8 @@ class RunConfig(Section):
             for key, tag in (("model", "tiny"), ("data", "arithmetic")):
                 if isinstance(data.get(key), dict):
                     data[key].setdefault("type", tag)
+            if isinstance(data.get("learner"), dict) and isinstance(data["learner"].get("backend"), dict):
+                data["learner"]["backend"].setdefault("type", "fsdp2")
         return data
 
     @model_validator(mode="after")
@@ -366,7 +381,8 @@ def format_validation_error(err: ValidationError) -> str:
 
 # Discriminator values pydantic puts in error locations; they are not field names.
 _UNION_TAGS = {m.model_fields["type"].default for m in (TinyModelSection, HFModelSection,
-                                                         ArithmeticDataSection, JsonlDataSection)}
+                                                         ArithmeticDataSection, JsonlDataSection,
+                                                         FSDP2BackendSection, MegatronBackendSection)}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

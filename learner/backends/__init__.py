@@ -16,4 +16,11 @@ def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float 
 
         return FSDP2Backend(model_path, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
                             max_grad_norm=cfg.max_grad_norm, param_dtype=cfg.backend.param_dtype, seed=seed)
-    raise ValueError(f"learner.backend.type={cfg.backend.type!r}; choose fsdp2")
+    if cfg.backend.type == "megatron":
+        from learner.backends.megatron import MegatronBackend
+
+        return MegatronBackend(model_path, tensor_parallel=cfg.backend.tensor_parallel,
+                               pipeline_parallel=cfg.backend.pipeline_parallel, lr=cfg.lr if lr is None else lr,
+                               weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                               param_dtype=cfg.backend.param_dtype, seed=seed)
+    raise ValueError(f"learner.backend.type={cfg.backend.type!r}; choose fsdp2 or megatron")

@@ -29,7 +29,9 @@ def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence
     """One optimizer step over the whole batch `seqs`; called on every rank with the same `seqs`."""
     from learner.batch import plan_step
 
-    micros = plan_step(seqs, micro_batch_size, pad_id, backend.rank, backend.world_size)
+    # Shard by data-parallel rank: tensor/pipeline-parallel peers must see the same micro-batches.
+    micros = plan_step(seqs, micro_batch_size, pad_id, getattr(backend, "dp_rank", backend.rank),
+                       getattr(backend, "dp_size", backend.world_size))
     if objective.needs_old_logprobs:
         for m in micros:
             m.old_logprobs_BT = backend.compute_logprobs(m, temperature)
