@@ -510,13 +510,13 @@ class MegatronBackend:
                     tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
                     local[key] = (per_rank.to_local(p.kind, tensors, 0) if self.conv.shards_cleanly(p.kind)
                                   else self.conv.to_local(p.kind, tensors, self.tp_rank))
+                opt = self._optimizer_for(param)
                 with torch.no_grad():
                     param.copy_(local["param"])
-                opt = self._optimizer_for(param)
-                if opt is not None:
-                    r = opt._get_model_param_range_map(param)["param"]
-                    opt._set_main_param_and_optimizer_states(param, {
-                        "step": step, **{k: v.reshape(-1)[r.start : r.end] for k, v in local.items()}})
+                    if opt is not None:
+                        r = opt._get_model_param_range_map(param)["param"]
+                        opt._set_main_param_and_optimizer_states(param, {
+                            "step": step, **{k: v.reshape(-1)[r.start : r.end] for k, v in local.items()}})
 
 
 def _have_te() -> bool:

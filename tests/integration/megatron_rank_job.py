@@ -1,0 +1,118 @@
+"""A learner job on the Megatron backend as torchrun runs it, for tests (a copy of
+learner_rank_job.py with the backend's layout as flags, plus two checks every rank runs first):
+
+1. HF -> Megatron -> HF: `full_weights()` against the HF safetensors, tensor by tensor;
+2. logprobs of the fixed batch's micro-batches against the HF model's (on rank 0's share).
+
+Then rank 0 drives the real `Trainer` (steps on the baseline's fixed batch, optional checkpoint
+load/save) and the other ranks follow.
+
+    torchrun --nproc-per-node N megatron_rank_job.py MODEL_DIR OUT_JSON --tp T --pp P [--load CKPT_DIR]
+        [--save CHECKPOINTS_ROOT] [--steps-before-save K] [--steps N] [--weights-after-first-step PT]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.unit.learner.test_baseline import fingerprint, fixed_groups  # noqa: E402
+
+
+def make_trainer(model_dir: Path, micro_batch_size: int, tp: int, pp: int):
+    """test_baseline.make_trainer's config on the Megatron backend."""
+    from learner.trainer import Trainer
+    from services.config import load_config
+
+    config = load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
+                                "learner.lr=1e-3", "algorithm.name=grpo", "rollout.max_tokens=8",
+                                "learner.torch_threads=1", "learner.backend.type=megatron",
+                                f"learner.backend.tensor_parallel={tp}", f"learner.backend.pipeline_parallel={pp}"])
+    return Trainer(config, str(model_dir), pad_id=0)
+
+
+def check_round_trip(backend, model_dir: Path) -> list[str]:
+    """Names whose gathered tensor is not bit-identical to the HF checkpoint's (every rank gathers)."""
+    import torch
+    from safetensors.torch import load_file
+
+    want = load_file(str(model_dir / "model.safetensors"))
+    got = dict(backend.full_weights())
+    bad = [n for n, t in want.items() if n not in got or not torch.equal(got[n].cpu(), t)]
+    return bad + [n for n in got if n not in want and n != "lm_head.weight"]
+
+
+def check_logprobs(backend, seqs, model_dir: Path, micro_batch_size: int) -> float:
+    """Max |Megatron - HF| logprob over real tokens of this rank's micro-batches (every rank runs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.batch import plan_step
+
+    micros = plan_step(seqs, micro_batch_size, 0, backend.dp_rank, backend.dp_size)
+    got = [backend.compute_logprobs(m, 1.0) for m in micros]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for m, lp in zip(micros, got):
+            logits = hf(input_ids=m.input_ids_BT, attention_mask=m.attention_mask_BT).logits[:, :-1]
+            want = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), m.input_ids_BT[:, 1:], reduction="none")
+            real = m.attention_mask_BT[:, 1:].bool()
+            worst = max(worst, float((lp - want)[real].abs().max()))
+    return worst
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    p.add_argument("out")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--load")
+    p.add_argument("--save")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps-before-save", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=12)
+    p.add_argument("--weights-after-first-step", help="torch.save the HF-named weights after step 1 here")
+    args = p.parse_args()
+    model_dir = Path(args.model_dir)
+    trainer = make_trainer(model_dir, args.micro_batch_size, args.tp, args.pp)
+    seqs = trainer.objective.sequences(fixed_groups())
+    round_trip_bad = check_round_trip(trainer.backend, model_dir)
+    logprob_diff = check_logprobs(trainer.backend, seqs, model_dir, args.micro_batch_size)
+    if int(os.environ.get("RANK", "0")) != 0:
+        trainer.follow()
+        return
+    if args.load:
+        trainer.load(Path(args.load))
+    losses, metrics, saved = [], [], None
+    for i in range(args.steps):
+        if args.save and i == args.steps_before_save:
+            from learner.checkpoint import save_checkpoint
+
+            save_checkpoint(Path(args.save), i, trainer, args.model_dir, {"trained_groups": []}, keep_last=1,
+                            hf_model=False)
+            saved = fingerprint(trainer.stream_weights())
+        m = trainer.step(seqs, 1e-3)
+        losses.append(m["loss"])
+        metrics.append(m)
+        if i == 0 and args.weights_after_first_step:
+            torch.save({n: t.cpu().clone() for n, t in trainer.stream_weights()}, args.weights_after_first_step)
+    b = trainer.backend
+    Path(args.out).write_text(json.dumps({
+        "world_size": trainer.world_size, "layout": {"tp": b.tp, "pp": b.pp, "dp": b.dp_size},
+        "round_trip_mismatches": round_trip_bad, "max_logprob_diff": logprob_diff,
+        "loss": losses, "metrics": metrics, "saved_weights": saved,
+        "weights": fingerprint(trainer.stream_weights())}))
+    trainer.stop()
+
+
+if __name__ == "__main__":
+    main()
