@@ -5,6 +5,8 @@ baseline: a plain loop over the HF model: per micro-batch a no-grad forward (pi_
 measured: the learner's real step (`Trainer.step`: GRPO objective -> run_step -> FSDP2 backend),
           one rank, in this process.
 scaling:  the same learner step under torchrun with 2 gloo ranks vs 1 rank (step time ratio).
+megatron: the same learner step on the Megatron-core backend (learner.backend.type=megatron), 1 rank
+          and tensor-parallel over 2 gloo ranks, against FSDP2 on the same ranks.
 Prints training tokens/s (prompt + completion tokens through forward/backward) of each and the
 ratios. Run: python bench/learner_throughput.py [--hidden 256 --layers 4 --groups 16]"""
 
@@ -41,11 +43,12 @@ def make_groups(num_groups: int, n: int, prompt_len: int, completion_len: int, v
     return groups
 
 
-def config_for(model_dir: Path, micro_batch_size: int):
+def config_for(model_dir: Path, micro_batch_size: int, overrides: list[str] | None = None):
     from services.config import load_config
 
     return load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
-                              "learner.lr=1e-4", "rollout.max_tokens=64", "learner.torch_threads=1"])
+                              "learner.lr=1e-4", "rollout.max_tokens=64", "learner.torch_threads=1",
+                              *(overrides or [])])
 
 
 def num_tokens(seqs) -> int:
@@ -56,7 +59,7 @@ def time_learner(model_dir: Path, args) -> dict:
     """The learner's step; under torchrun every rank runs this and rank 0 reports."""
     from learner.trainer import Trainer
 
-    trainer = Trainer(config_for(model_dir, args.micro_batch_size), str(model_dir), pad_id=0)
+    trainer = Trainer(config_for(model_dir, args.micro_batch_size, args.override), str(model_dir), pad_id=0)
     if trainer.rank != 0:
         trainer.follow()
         return {}
@@ -109,10 +112,10 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
     return {"step_s": elapsed, "tokens_per_s": num_tokens(seqs) / elapsed}
 
 
-def torchrun_learner(model_dir: Path, nproc: int, args, tmp: Path) -> dict:
-    out = tmp / f"learner_{nproc}.json"
+def torchrun_learner(model_dir: Path, nproc: int, args, tmp: Path, overrides: tuple[str, ...] = ()) -> dict:
+    out = tmp / f"learner_{nproc}_{len(overrides)}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--worker", str(model_dir), str(out), *sys.argv[1:]]
+           "--worker", str(model_dir), str(out), *sys.argv[1:], *(f"--override={o}" for o in overrides)]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -129,7 +132,9 @@ def parse(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--no-megatron", action="store_true", help="leave out the Megatron-core rows")
     p.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     return p.parse_known_args(argv)[0]
 
 
@@ -151,8 +156,15 @@ def main() -> None:
         plain = time_plain_pytorch(model_dir, args)
         one = torchrun_learner(model_dir, 1, args, tmp)
         two = torchrun_learner(model_dir, 2, args, tmp)
+        megatron = {} if args.no_megatron else {
+            "megatron_1rank": torchrun_learner(model_dir, 1, args, tmp, ("learner.backend.type=megatron",)),
+            "megatron_tp2": torchrun_learner(model_dir, 2, args, tmp, ("learner.backend.type=megatron",
+                                                                       "learner.backend.tensor_parallel=2"))}
     rows = [("plain PyTorch loop (1 process)", plain), ("rlmesh learner step, 1 rank", one),
             ("rlmesh learner step, 2 gloo ranks", two)]
+    if megatron:
+        rows += [("Megatron backend, 1 rank", megatron["megatron_1rank"]),
+                 ("Megatron backend, TP=2 (2 gloo ranks)", megatron["megatron_tp2"])]
     print(f"model: hidden {args.hidden}, {args.layers} layers; batch {args.groups}x{args.n} sequences, "
           f"micro-batch {args.micro_batch_size}")
     print(f"{'path':38s} {'step s':>8s} {'train tok/s':>12s}")
@@ -162,9 +174,18 @@ def main() -> None:
     scaling = two["step_s"] / one["step_s"]
     print(f"ratio (learner 1 rank / plain PyTorch tokens/s): {ratio:.2f}   (target >= 0.9)")
     print(f"2-rank / 1-rank step time: {scaling:.2f}   (on {os.cpu_count()} cores; < 1 means faster)")
+    result = {"plain": plain, "learner_1rank": one, "learner_2rank": two, "ratio_vs_plain": ratio,
+              "two_over_one_step_time": scaling}
+    if megatron:
+        result.update(megatron)
+        result["megatron_1rank_over_fsdp2_tokens_per_s"] = megatron["megatron_1rank"]["tokens_per_s"] / one["tokens_per_s"]
+        result["megatron_1rank_over_plain_tokens_per_s"] = megatron["megatron_1rank"]["tokens_per_s"] / plain["tokens_per_s"]
+        result["megatron_tp2_over_fsdp2_2rank_step_time"] = megatron["megatron_tp2"]["step_s"] / two["step_s"]
+        print(f"Megatron 1 rank / FSDP2 1 rank tokens/s: {result['megatron_1rank_over_fsdp2_tokens_per_s']:.2f}; "
+              f"/ plain PyTorch: {result['megatron_1rank_over_plain_tokens_per_s']:.2f}")
+        print(f"Megatron TP=2 / FSDP2 2 ranks step time: {result['megatron_tp2_over_fsdp2_2rank_step_time']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"plain": plain, "learner_1rank": one, "learner_2rank": two,
-                                               "ratio_vs_plain": ratio, "two_over_one_step_time": scaling}, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
