@@ -109,7 +109,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
                                   default_timeout_s=config.reward.score_timeout_s)
     worker = RolloutWorker(generator, prompts, trajectories, reward_pb2_grpc.RewardServiceStub(reward_channel),
                            consumer="pending", max_concurrent_groups=config.rollout.max_concurrent_groups,
-                           score_timeout_s=config.reward.score_timeout_s)
+                           score_timeout_s=config.reward.score_timeout_s, queue_url=config.queue.url)
     service = RolloutService(generator, "pending", worker, on_weights=lambda version: worker.ready.set(),
                              transport=transport)
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],

@@ -3,13 +3,15 @@
 A prompt entry is acked only after its trajectory group is in the trajectory stream; entries a
 dead server left pending are claimed after `queue.claim_idle_ms`. A live server refreshes the idle
 time of the entries it is still generating, so a long generation is never mistaken for a dead
-server's work and done twice. Prompts that cannot be parsed go
+server's work and done twice. The refresh runs on its own thread with its own connection: an
+event loop busy with a large batch of outputs must not let its claims lapse. Prompts that cannot be parsed go
 to a dead-letter stream with the reason (never silently dropped)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import grpc
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     def __init__(self, generator: VLLMGenerator, prompts: StreamQueue, trajectories: StreamQueue,
                  reward: reward_pb2_grpc.RewardServiceStub, *, consumer: str, max_concurrent_groups: int,
-                 score_timeout_s: float) -> None:
+                 score_timeout_s: float, queue_url: str | None = None) -> None:
         self.generator, self.prompts, self.trajectories, self.reward = generator, prompts, trajectories, reward
         self.consumer = consumer
         self.slots = asyncio.Semaphore(max_concurrent_groups)
@@ -38,18 +40,33 @@ class RolloutWorker:
         self.num_duplicates = 0
         self._tasks: set[asyncio.Task] = set()
         self._working: set[str] = set()  # prompt entry ids being generated here
+        self._keepalive_stop = threading.Event()
+        if queue_url is not None:
+            threading.Thread(target=self._keep_claims, args=(queue_url,), name="claim-keepalive", daemon=True).start()
+
+    def _keep_claims(self, url: str) -> None:
+        """Reset the idle time of every entry still being generated, every claim_idle_ms / 4."""
+        import redis
+
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        period = self.prompts.claim_idle_ms / 4000
+        while not self._keepalive_stop.wait(period):
+            working = list(self._working)
+            if not working:
+                continue
+            try:
+                client.xclaim(self.prompts.stream, self.prompts.group, self.consumer, 0, working, justid=True)
+            except redis.RedisError as err:  # the queue is down: the main loop reconnects and says so
+                log.debug("claim keep-alive failed: %s", err)
 
     async def run(self) -> None:
         await self.prompts.ensure_group()
         await self.trajectories.ensure_group()
-        last_claim = last_touch = 0.0
+        last_claim = 0.0
         replayed = False
         while True:
-            if time.monotonic() - last_touch > self.prompts.claim_idle_ms / 3000:
-                await self.prompts.touch(self.consumer, *self._working)
-                last_touch = time.monotonic()
             if not self.ready.is_set():
-                await asyncio.sleep(0.2)  # keep refreshing in-flight entries while paused for weights
+                await asyncio.sleep(0.2)
                 continue
             free = self.max_concurrent_groups - self.num_inflight
             if free <= 0:
@@ -140,5 +157,6 @@ class RolloutWorker:
         await self.prompts.ack(entry.id)
 
     async def stop(self) -> None:
+        self._keepalive_stop.set()
         for task in list(self._tasks):
             task.cancel()

@@ -188,13 +188,6 @@ class StreamQueue:
             self.stream, self.group, consumer, min_idle_time=self.claim_idle_ms, start_id="0-0", count=count))
         return _entries(claimed)
 
-    async def touch(self, consumer: str, *entry_ids: str) -> None:
-        """Reset the idle time of entries `consumer` is still working on, so that live work is
-        never claimed as a dead consumer's (XCLAIM to itself with JUSTID)."""
-        if entry_ids:
-            await self._call("touch", lambda: self.client.xclaim(self.stream, self.group, consumer, 0,
-                                                                  list(entry_ids), justid=True))
-
     async def ack(self, *entry_ids: str) -> int:
         """Ack and delete; returns how many were still pending (0 for an already-acked id)."""
         if not entry_ids:
