@@ -7,12 +7,22 @@ into HF-named full tensors (TP all-gather on the owning pipeline stage, then a b
 pipeline group), so the weight broadcast and `save_pretrained` see the same names as with FSDP2.
 
 Checkpoints are torch.distributed.checkpoint (DCP) with HF names: each rank writes its TP shard of
-every HF tensor (as a DTensor over its TP group) and the Adam moments in the same layout, so a
-checkpoint resumes on any tensor/pipeline/data-parallel layout, and `rlmesh export` reads its
-model like an FSDP2 checkpoint's.
+every HF tensor (a DTensor over its TP group; data-parallel replicas are deduplicated by DCP) and
+the fp32 master weights' Adam moments in the same layout (assembled from the distributed
+optimizer's data-parallel shards), so a checkpoint resumes on any tensor/pipeline/data-parallel
+layout the model allows, and `rlmesh export` reads its model like an FSDP2 checkpoint's. (Where a
+model has fewer KV heads than TP ranks a rank's QKV piece is not a clean shard: those tensors are
+gathered and written whole.)
+
+The micro-batches of a step go through megatron-core's pipeline schedule in one call, padded to
+one shape; the loss is the objective's (no Megatron copy of it), on the last stage, over logprobs
+from vocab-parallel cross entropy. `calculate_per_token_loss` makes Megatron's DDP sum gradients
+over data-parallel ranks instead of averaging them: the objective's normalisers already span the
+whole step, so the sum is the single-rank gradient.
 
 Transformer Engine's layer spec is used where TE is installed (GPU hosts), the local spec
-otherwise; without CUDA `megatron_cpu_shim` lets megatron-core run on CPU over gloo."""
+otherwise; without CUDA `megatron_cpu_shim` lets megatron-core run on CPU over gloo. A single
+process (`rlmesh sft`) runs the model unsplit whatever the configured layout."""
 
 from __future__ import annotations
 
@@ -182,6 +192,12 @@ class MegatronBackend:
                  weight_decay: float, max_grad_norm: float, param_dtype: str = "float32", seed: int = 0) -> None:
         self.rank, self.world_size = init_distributed()
         tp, pp = tensor_parallel, pipeline_parallel
+        if self.world_size == 1 and tp * pp > 1:
+            # A single process (`rlmesh sft`, the warm start `rlmesh up` runs before the learner
+            # job) cannot split the model; it trains it whole, which is the same computation.
+            log.warning("megatron backend in a single process: tensor_parallel=%d pipeline_parallel=%d apply "
+                        "under torchrun only; running unsplit", tp, pp)
+            tp = pp = 1
         hf = _hf_config(model_path)
         _check_layout(hf, tp, pp, self.world_size)
         megatron_cpu_shim.activate()
@@ -220,7 +236,7 @@ class MegatronBackend:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         te = torch.cuda.is_available() and _have_te()
         self.conv = _Converter(hf, tp, pp, te)
-        self.hidden_size, self.param_dtype = hf.hidden_size, param_dtype
+        self.param_dtype = param_dtype
         rope = getattr(hf, "rope_parameters", None) or {}
         config = TransformerConfig(
             num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
@@ -235,9 +251,7 @@ class MegatronBackend:
             # weights (which the grad norm counts once per TP rank) only when it initialises them.
             perform_initialization=True,
             # The objective's loss is already normalised over the whole step: sum, never average.
-            calculate_per_token_loss=True,
-            bias_activation_fusion=te, masked_softmax_fusion=te, persist_layer_norm=te, bias_dropout_fusion=te,
-            apply_rope_fusion=te, gradient_accumulation_fusion=False)
+            calculate_per_token_loss=True)
         spec = get_gpt_layer_with_transformer_engine_spec() if te else get_gpt_layer_local_spec(normalization="RMSNorm")
         model = GPTModel(config, spec, vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
                          pre_process=ps.is_pipeline_first_stage(), post_process=self.is_last_stage,

@@ -77,6 +77,9 @@ def test_a_grpo_step_equals_fsdp2s(runs, tiny_model_dir):
     fsdp2 = make_trainer(tiny_model_dir)
     loss = fsdp2.step(fsdp2.objective.sequences(fixed_groups()), 1e-3)["loss"]
     assert tp2["loss"][0] == pytest.approx(loss, abs=1e-6)
+    # And the second step too: the committed FSDP2 baseline's losses on the same batch.
+    baseline = json.loads((REPO / "tests/unit/learner/baselines/grpo_fsdp2.json").read_text())
+    assert tp2["loss"] == pytest.approx(baseline["loss"][:2], abs=1e-6)
     want = {n: t.detach().cpu() for n, t in fsdp2.stream_weights()}
     got = torch.load(tmp / "tp2_step1.pt")
     assert sorted(got) == sorted(want)
