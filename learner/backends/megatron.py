@@ -438,21 +438,32 @@ class MegatronBackend:
                 return opt
         return None  # this data-parallel rank holds no part of `param`
 
-    def _adam_states(self) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    def _adam_groups(self) -> Iterator[tuple[torch.optim.Optimizer, dict]]:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             for group in opt.optimizer.param_groups:
-                for main in group["params"]:
-                    yield main, opt.optimizer.state[main]
+                yield opt.optimizer, group
 
     def _ensure_adam_state(self) -> torch.Tensor:
         """Adam's state exists from the first step on; before it, zeros at step 0 (the same update).
-        Returns the step count."""
-        step = None
-        for main, state in self._adam_states():
-            if not state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(main), exp_avg_sq=torch.zeros_like(main))
-            step = state["step"]
-        return torch.zeros(()) if step is None else step.detach().clone().float().cpu()
+        Returns the step count, agreed over all ranks (a rank may hold no part of any parameter).
+        torch's AdamW keeps the step per parameter, fused Adams (TE, apex) per group."""
+        step = 0.0
+        for inner, group in self._adam_groups():
+            for main in group["params"]:
+                state = inner.state[main]
+                if "exp_avg" not in state:
+                    state.update(exp_avg=torch.zeros_like(main), exp_avg_sq=torch.zeros_like(main))
+                    if isinstance(inner, torch.optim.AdamW):
+                        state["step"] = torch.tensor(0.0)
+                step = max(step, float(state["step"]) if "step" in state else float(group.get("step", 0)))
+        agreed = torch.tensor(step, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return agreed.cpu()
+
+    def _set_group_step(self, step: torch.Tensor) -> None:
+        for inner, group in self._adam_groups():
+            if not isinstance(inner, torch.optim.AdamW):
+                group["step"] = int(step)
 
     def _dp_assembled(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
         """This TP rank's whole `param` (fp32 main copy) or Adam moment `key`, from the distributed
@@ -515,7 +526,11 @@ class MegatronBackend:
         with self._mode():
             state, entries = self._dcp_state()
             dcp.load(state, checkpoint_id=str(path))
-            step = next(iter(state["optimizer"]["state"].values()))["step"] if entries else torch.zeros(())
+            steps = [v["step"] for v in state["optimizer"]["state"].values()]
+            step = steps[0].to(self.device)
+            dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the same on every rank, as saved
+            step = step.cpu()
+            self._set_group_step(step)
             per_rank = self.conv.per_rank()
             for p, values in entries:
                 param = self.params[p.name]
