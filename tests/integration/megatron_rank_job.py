@@ -1,5 +1,5 @@
-"""A learner job on the Megatron backend as torchrun runs it, for tests (a copy of
-learner_rank_job.py with the backend's layout as flags, plus two checks every rank runs first):
+"""A learner job on the Megatron backend as torchrun runs it, for tests (learner_rank_job.py's
+job with the backend's layout as flags, plus two checks every rank runs first):
 
 1. HF -> Megatron -> HF: `full_weights()` against the HF safetensors, tensor by tensor;
 2. logprobs of the fixed batch's micro-batches against the HF model's (on rank 0's share).
@@ -12,28 +12,15 @@ load/save) and the other ranks follow.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.unit.learner.test_baseline import fingerprint, fixed_groups  # noqa: E402
-
-
-def make_trainer(model_dir: Path, micro_batch_size: int, tp: int, pp: int):
-    """test_baseline.make_trainer's config on the Megatron backend."""
-    from learner.trainer import Trainer
-    from services.config import load_config
-
-    config = load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
-                                "learner.lr=1e-3", "algorithm.name=grpo", "rollout.max_tokens=8",
-                                "learner.torch_threads=1", "learner.backend.type=megatron",
-                                f"learner.backend.tensor_parallel={tp}", f"learner.backend.pipeline_parallel={pp}"])
-    return Trainer(config, str(model_dir), pad_id=0)
+from tests.integration.learner_rank_job import drive, job_parser  # noqa: E402
+from tests.unit.learner.test_baseline import fixed_groups, make_trainer  # noqa: E402
 
 
 def check_round_trip(backend, model_dir: Path) -> list[str]:
@@ -70,48 +57,28 @@ def check_logprobs(backend, seqs, model_dir: Path, micro_batch_size: int) -> flo
 def main() -> None:
     import torch
 
-    p = argparse.ArgumentParser()
-    p.add_argument("model_dir")
-    p.add_argument("out")
+    p = job_parser()
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--load")
-    p.add_argument("--save")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--steps-before-save", type=int, default=1)
-    p.add_argument("--micro-batch-size", type=int, default=12)
     p.add_argument("--weights-after-first-step", help="torch.save the HF-named weights after step 1 here")
     args = p.parse_args()
     model_dir = Path(args.model_dir)
-    trainer = make_trainer(model_dir, args.micro_batch_size, args.tp, args.pp)
+    trainer = make_trainer(model_dir, args.micro_batch_size, "learner.backend.type=megatron",
+                           f"learner.backend.tensor_parallel={args.tp}", f"learner.backend.pipeline_parallel={args.pp}")
     seqs = trainer.objective.sequences(fixed_groups())
     round_trip_bad = check_round_trip(trainer.backend, model_dir)
     logprob_diff = check_logprobs(trainer.backend, seqs, model_dir, args.micro_batch_size)
-    if int(os.environ.get("RANK", "0")) != 0:
-        trainer.follow()
-        return
-    if args.load:
-        trainer.load(Path(args.load))
-    losses, metrics, saved = [], [], None
-    for i in range(args.steps):
-        if args.save and i == args.steps_before_save:
-            from learner.checkpoint import save_checkpoint
 
-            save_checkpoint(Path(args.save), i, trainer, args.model_dir, {"trained_groups": []}, keep_last=1,
-                            hf_model=False)
-            saved = fingerprint(trainer.stream_weights())
-        m = trainer.step(seqs, 1e-3)
-        losses.append(m["loss"])
-        metrics.append(m)
+    def after_step(i: int) -> None:
         if i == 0 and args.weights_after_first_step:
             torch.save({n: t.cpu().clone() for n, t in trainer.stream_weights()}, args.weights_after_first_step)
+
     b = trainer.backend
-    Path(args.out).write_text(json.dumps({
-        "world_size": trainer.world_size, "layout": {"tp": b.tp, "pp": b.pp, "dp": b.dp_size},
-        "round_trip_mismatches": round_trip_bad, "max_logprob_diff": logprob_diff,
-        "loss": losses, "metrics": metrics, "saved_weights": saved,
-        "weights": fingerprint(trainer.stream_weights())}))
-    trainer.stop()
+    layout = {"tp": b.tp, "pp": b.pp, "dp": b.dp_size}
+    result = drive(trainer, args, after_step)
+    if result is not None:
+        Path(args.out).write_text(json.dumps({**result, "layout": layout, "round_trip_mismatches": round_trip_bad,
+                                              "max_logprob_diff": logprob_diff}))
 
 
 if __name__ == "__main__":

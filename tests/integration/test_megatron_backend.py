@@ -27,18 +27,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from tests.integration.learner_rank_job import torchrun as run_job  # noqa: E402
+
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> dict:
-    out = Path(args[1])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(HERE / "megatron_rank_job.py"), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return run_job("megatron_rank_job.py", nproc, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.learner_rank_job import torchrun as run_job  # noqa: E402
+
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> dict:
-    out = Path(args[1])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(HERE / "learner_rank_job.py"), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_job("learner_rank_job.py", nproc, *args, timeout=timeout)
 
 
 def assert_same_weights(a: dict, b: dict) -> None:

@@ -24,7 +24,6 @@ NUM_STEPS = 3
 def fixed_sequences(vocab: int = 200):
     """32 sequences in 4 groups of 8: varied prompt/completion lengths, rewards and behaviour
     logprobs, as a rollout would deliver them."""
-    from learner.batch import Sequence
 
     rng = random.Random(1234)
     seqs = []
@@ -56,13 +55,13 @@ def fixed_groups():
     return [groups[k] for k in sorted(groups)]
 
 
-def make_trainer(model_dir: Path, micro_batch_size: int = 12):
+def make_trainer(model_dir: Path, micro_batch_size: int = 12, *overrides: str):
     from learner.trainer import Trainer
     from services.config import load_config
 
     config = load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
                                 "learner.lr=1e-3", "algorithm.name=grpo", "rollout.max_tokens=8",
-                                "learner.torch_threads=1"])
+                                "learner.torch_threads=1", *overrides])
     return Trainer(config, str(model_dir), pad_id=0)
 
 
