@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +19,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.ports import free_port  # noqa: E402
 
 
 async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
@@ -51,35 +49,13 @@ async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens
 async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: Path, rollout: dict | None = None,
                system: str | None = None) -> tuple[int, float]:
     """The mesh path; `rollout` overrides the rollout config, `system` prepends a shared system prompt."""
-    import yaml
-
-    from learner.membership import LearnerService, Membership
-    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-    from services.grpc_server import start_server
+    from bench.harness import rollout_harness
+    from rlmesh.v1 import common_pb2
     from services.queue import StreamQueue, connect
-    from services.valkey import start_embedded_valkey
 
-    valkey = start_embedded_valkey()
-    membership = Membership(token=None, rpc_timeout_s=60)
-    learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server,
-                                   LearnerService(membership, "bench", learner_pb2.LearnerStatusResponse, lambda: 0),
-                                   "rlmesh.v1.LearnerService")], port=0)
-    reward_port = free_port()
-    cfg = {"model": {"type": "hf", "path": str(model_dir)}, "queue": {"url": valkey.connection_url},
-           "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
-           "rollout": {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256, **(rollout or {})}}
-    (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cli = [sys.executable, "-m", "entrypoints.cli"]
-    procs = [subprocess.Popen([*cli, "reward", "-c", str(tmp / "bench.yaml"), "--port", str(reward_port)],
-                              stdout=(tmp / "reward.log").open("wb"), stderr=subprocess.STDOUT, env=env),
-             subprocess.Popen([*cli, "rollout", "-c", str(tmp / "bench.yaml"), "--port", "0"],
-                              stdout=(tmp / "rollout.log").open("wb"), stderr=subprocess.STDOUT, env=env)]
-    try:
-        while not membership.generators:
-            assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-2000:]
-            await asyncio.sleep(0.5)
-        redis = connect(valkey.connection_url)
+    rollout_cfg = {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256, **(rollout or {})}
+    async with rollout_harness(model_dir, tmp, rollout=rollout_cfg, with_reward=True, rpc_timeout_s=60) as h:
+        redis = connect(h.queue_url)
         prompts = StreamQueue(redis, "rlmesh:prompts", group="rollout")
         trajectories = StreamQueue(redis, "rlmesh:trajectories", group="learner")
         await trajectories.ensure_group()
@@ -105,12 +81,6 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
         t0 = time.monotonic()
         tokens = await run_round(num_groups)
         return tokens, time.monotonic() - t0
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait()
-        await learner.stop(0)
-        valkey.stop()
 
 
 def main() -> None:

@@ -65,39 +65,17 @@ def raw_broadcast(named, rounds: int, tmp: Path) -> list[float]:
 
 
 async def mesh_broadcast(model_dir: Path, named, rounds: int, tmp: Path) -> list[dict]:
-    import yaml
-
+    from bench.harness import rollout_harness
     from learner.broadcast import WeightBroadcaster, WeightSource
-    from learner.membership import LearnerService, Membership
-    from rlmesh.v1 import learner_pb2, learner_pb2_grpc
     from services.config import WeightSyncSection
-    from services.grpc_server import start_server
-    from services.ports import free_port
-    from services.valkey import start_embedded_valkey
     from services.weights.gloo import GlooTransport
-
-    valkey = start_embedded_valkey()
-    membership = Membership(token=None, rpc_timeout_s=120)
-    learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server,
-                                   LearnerService(membership, "bench", learner_pb2.LearnerStatusResponse, lambda: 0),
-                                   "rlmesh.v1.LearnerService")], port=0)
-    cfg = {"model": {"type": "hf", "path": str(model_dir)}, "queue": {"url": valkey.connection_url},
-           "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{free_port()}"},
-           "rollout": {"max_model_len": 128, "kv_cache_gib": 1}}
-    (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "entrypoints.cli", "rollout", "-c", str(tmp / "bench.yaml"),
-                             "--port", "0", "--generator-id", "bench"], stdout=(tmp / "rollout.log").open("wb"),
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
 
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)
 
-    try:
-        while "bench" not in membership.generators:
-            assert proc.poll() is None, (tmp / "rollout.log").read_text()[-2000:]
-            await asyncio.sleep(0.5)
+    async with rollout_harness(model_dir, tmp, rollout={"max_model_len": 128, "kv_cache_gib": 1}) as h:
         sync = WeightSyncSection(timeout_s=300)
-        broadcaster = WeightBroadcaster(membership, sync, GlooTransport(sync), run_torch)
+        broadcaster = WeightBroadcaster(h.membership, sync, GlooTransport(sync), run_torch)
         source = WeightSource.of(named)
         await broadcaster.broadcast(1, source)  # forms the group, warms up
         out = []
@@ -105,11 +83,6 @@ async def mesh_broadcast(model_dir: Path, named, rounds: int, tmp: Path) -> list
             out.append(await broadcaster.broadcast(v, source))
         assert broadcaster.verified_versions[-1] == rounds + 1
         return out
-    finally:
-        proc.terminate()
-        proc.wait()
-        await learner.stop(0)
-        valkey.stop()
 
 
 def main() -> None:
