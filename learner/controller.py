@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 
 from learner.admission import Admission, staleness
 from learner.data import load_dataset
-from learner.evaluator import Arrivals, Evaluator
+from learner.evaluator import Arrivals, Evaluator, episode_stats
 from learner.issuer import PromptIssuer
 from learner.membership import LearnerService, Membership
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
@@ -317,6 +317,8 @@ class Controller:
             "num_duplicates": a.num_duplicates, "in_flight": self.issuer.in_flight,
             "num_ranks": self.trainer.world_size, **train_metrics, **bc,
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
+            "num_failed_samples": sum(1 for g in groups for s in g.samples if s.error),
+            **episode_stats(samples),
         }
         self.metrics.write(record)
         log.info("step %d reward %.3f staleness<=%d mismatch_kl %.2e %.0f tok/s", self.version,

@@ -24,6 +24,16 @@ def correctness(sample: common_pb2.Sample) -> float:
     return sample.reward_components[CORRECT] if CORRECT in sample.reward_components else sample.reward
 
 
+def episode_stats(samples: list[common_pb2.Sample]) -> dict[str, float]:
+    """Mean turns and mean reward components (e.g. `num_tool_calls`) over samples; empty when none."""
+    if not samples:
+        return {}
+    out = {"turns_mean": sum(s.num_turns for s in samples) / len(samples)}
+    for key in sorted({k for s in samples for k in s.reward_components}):
+        out[f"{key}_mean"] = sum(s.reward_components.get(key, 0.0) for s in samples) / len(samples)
+    return out
+
+
 class Evaluator:
     def __init__(self, eval_set: list[Example], issuer: PromptIssuer, trajectories: StreamQueue,
                  read: Callable[[], Awaitable[Arrivals]], between_reads: Callable[[], Awaitable[None]],
@@ -60,7 +70,7 @@ class Evaluator:
         record = {"kind": "eval", "version": version, "accuracy": accuracy,
                   "accuracy_source": "env_correct" if has_signal else "mean_reward",
                   "reward_mean": sum(s.reward for s in scored) / max(len(scored), 1),
-                  "num_prompts": len(results), "num_errors": len(results) - len(scored),
+                  "num_prompts": len(results), "num_errors": len(results) - len(scored), **episode_stats(scored),
                   "eval_s": time.monotonic() - t0}
         log.info("held-out accuracy at version %d: %.3f (%d prompts)", version, accuracy, len(results))
         return record

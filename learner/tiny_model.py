@@ -1,6 +1,11 @@
 """Tiny random-initialised causal LMs of real architectures (Qwen2, Llama) with a real byte-level
-BPE tokenizer and a chat template, written as a local HF directory that both `transformers` and
-vLLM load. Used by tests and the demo (nothing can be downloaded from a hub here)."""
+BPE tokenizer and a chat template (with tools), written as a local HF directory that both
+`transformers` and vLLM load. Used by tests and the demos (nothing can be downloaded from a hub here).
+
+Two tokenizers: `bytes` (every byte one token, no merges: digits stay single tokens, which suits the
+arithmetic demo) and `bpe` (merges learned with the `tokenizers` library from a built-in corpus of
+the tasks' text, so that, as with any real model, a sampled token sequence is often not what
+re-tokenizing its text would give; multi-turn episodes are tested on it)."""
 
 from __future__ import annotations
 
@@ -12,25 +17,80 @@ if TYPE_CHECKING:
     from services.config import TinyModelSection
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML turns. With `tools=`, a system turn lists each tool compactly (name, parameters,
+# description: a tiny model's context is short) and says how to call one; tool results are `tool`
+# turns. Without tools the rendering is plain ChatML, unchanged from earlier versions.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "Tools:\n{% for tool in tools %}{% set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ f['name'] }}({{ f.get('parameters', {}).get('properties', {}) | join(', ') }}): "
+    "{{ f.get('description', '') }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def build_tokenizer():
-    """Byte-level BPE with no merges: every byte is a token (digits stay single tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def bpe_corpus(seed: int = 0, num_lines: int = 4000) -> list[str]:
+    """Text like the tasks' own (sums, tool calls and results, guessing-game turns), for learning
+    merges. Deterministic, so a given seed always gives the same tokenizer."""
+    import random
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in alphabet:
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    rng = random.Random(seed)
+    words = ("What is the sum of plus minus times answer number only Use tool add then with Guess higher "
+             "lower correct error arguments name result integer two first second call").split()
+    lines = []
+    for _ in range(num_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        kind = rng.randrange(5)
+        if kind == 0:
+            lines.append(f"{a % 10}+{b % 10}={a % 10 + b % 10}")
+        elif kind == 1:
+            lines.append(f"What is {a} + {b}? Use the add tool, then answer with the number only.")
+        elif kind == 2:
+            lines.append(f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>')
+        elif kind == 3:
+            lines.append(f"{a + b} {rng.choice(['higher', 'lower', 'correct'])} Guess {a % 17}")
+        else:
+            lines.append(" ".join(rng.choice(words) for _ in range(8)))
+    # The chat template's own words.
+    lines += ["system\nTools:\nadd(a, b): Add two integers and return their sum.\n"
+              'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>', "user\n", "assistant\n",
+              "tool\n"] * 50
+    return lines
+
+
+def _byte_level_bpe(kind: str, vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if kind == "bytes":
+        vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+        for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+            vocab[ch] = len(vocab)
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(bpe_corpus(seed), trainer=trainer)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def build_tokenizer(kind: str = "bytes", vocab_size: int = 512, seed: int = 0):
+    """`bytes`: byte-level BPE with no merges, every byte a token (digits stay single tokens).
+    `bpe`: byte-level BPE with merges learned from `bpe_corpus` up to `vocab_size` tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    if kind not in ("bytes", "bpe"):
+        raise ValueError(f"tokenizer kind {kind!r}: choose bytes or bpe")
+    tok = _byte_level_bpe(kind, vocab_size, seed)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -46,7 +106,7 @@ def write_tiny_model(spec: TinyModelSection, output: str | Path, *, seed: int = 
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(spec.tokenizer, spec.bpe_vocab_size, seed)
     vocab_size = ((len(tokenizer) + 63) // 64) * 64
     common = dict(
         vocab_size=vocab_size,

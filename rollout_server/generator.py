@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlmesh.v1 import common_pb2
@@ -16,6 +17,18 @@ if TYPE_CHECKING:
     from services.config import RolloutSection
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """What one vLLM request sampled."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+    min_version: int
+    max_version: int
 
 
 def configure_vllm_env(cfg: RolloutSection) -> None:
@@ -71,43 +84,53 @@ class VLLMGenerator:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
 
-    def sampling_params(self, group: common_pb2.PromptGroup, index: int):
+    def sampling_params(self, group: common_pb2.PromptGroup, index: int, *, max_tokens: int | None = None,
+                        turn: int = 0):
+        """Sampling for sample `index` of `group` (turn `turn` of an episode, capped at `max_tokens`)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         o = group.sampling
-        seed = o.seed + index if o.HasField("seed") else None
+        # A seeded group stays reproducible turn by turn, with a different stream per turn.
+        seed = o.seed + index + 1_000_003 * turn if o.HasField("seed") else None
+        cap = o.max_tokens if o.HasField("max_tokens") else self.cfg.max_tokens
         return SamplingParams(
             n=1,
             temperature=o.temperature if o.HasField("temperature") else self.cfg.temperature,
             top_p=o.top_p if o.HasField("top_p") else self.cfg.top_p,
             top_k=o.top_k if o.HasField("top_k") else 0,
-            max_tokens=o.max_tokens if o.HasField("max_tokens") else self.cfg.max_tokens,
+            max_tokens=cap if max_tokens is None else min(cap, max_tokens),
             stop=list(o.stop) or None,
             seed=seed,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def sample(self, group: common_pb2.PromptGroup, prompt_ids: list[int], index: int) -> common_pb2.Sample:
-        params = self.sampling_params(group, index)
+    async def generate_ids(self, prompt_ids: list[int], params, request_id: str) -> Generation:
+        """One generation from token ids (token-in/token-out): the sampled ids exactly as vLLM
+        returned them, their logprobs, and the policy versions they were sampled under."""
         min_version = self.version
         final = None
-        request_id = f"{group.group_id}-{index}-{uuid.uuid4().hex[:8]}"
         async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
             final = out
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs or [])]
         self.num_generated_tokens += len(token_ids)
+        return Generation(token_ids, logprobs, completion.finish_reason or "", completion.text, min_version,
+                          self.version)
+
+    async def sample(self, group: common_pb2.PromptGroup, prompt_ids: list[int], index: int) -> common_pb2.Sample:
+        request_id = f"{group.group_id}-{index}-{uuid.uuid4().hex[:8]}"
+        gen = await self.generate_ids(prompt_ids, self.sampling_params(group, index), request_id)
         return common_pb2.Sample(
             index=index,
-            completion=common_pb2.TokenSequence(token_ids=token_ids, loss_mask=[True] * len(token_ids)),
-            logprobs=logprobs,
-            finish_reason=completion.finish_reason or "",
-            min_version=min_version,
-            max_version=self.version,
-            text=completion.text,
+            completion=common_pb2.TokenSequence(token_ids=gen.token_ids, loss_mask=[True] * len(gen.token_ids)),
+            logprobs=gen.logprobs,
+            finish_reason=gen.finish_reason,
+            min_version=gen.min_version,
+            max_version=gen.max_version,
+            text=gen.text,
             num_turns=1,
         )
 

@@ -11,7 +11,9 @@ import grpc
 import uvloop
 
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rollout_server.episode import EpisodeRunner
 from rollout_server.generator import VLLMGenerator
+from rollout_server.reward_client import Replica, RewardPool
 from rollout_server.service import RolloutService
 from rollout_server.worker import RolloutWorker
 from services.auth import TLSFiles, load_token
@@ -105,11 +107,12 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
                           claim_idle_ms=config.queue.claim_idle_ms)
     trajectories = StreamQueue(redis, config.queue.trajectory_stream, group="learner",
                                max_len=config.queue.max_len, claim_idle_ms=config.queue.claim_idle_ms)
-    reward_channel = make_channel(config.network.reward_address, token=token, tls=tls,
-                                  default_timeout_s=config.reward.score_timeout_s)
-    worker = RolloutWorker(generator, prompts, trajectories, reward_pb2_grpc.RewardServiceStub(reward_channel),
-                           consumer="pending", max_concurrent_groups=config.rollout.max_concurrent_groups,
-                           score_timeout_s=config.reward.score_timeout_s, queue_url=config.queue.url)
+    rewards = RewardPool([Replica(address, reward_pb2_grpc.RewardServiceStub(
+        make_channel(address, token=token, tls=tls, default_timeout_s=config.reward.score_timeout_s)))
+        for address in config.network.reward_addresses], timeout_s=config.reward.score_timeout_s)
+    episodes = EpisodeRunner(generator, rewards, config.rollout.episode, config.rollout.max_model_len)
+    worker = RolloutWorker(generator, prompts, trajectories, rewards, episodes, consumer="pending",
+                           max_concurrent_groups=config.rollout.max_concurrent_groups, queue_url=config.queue.url)
     service = RolloutService(generator, "pending", worker, on_weights=lambda version: worker.ready.set(),
                              transport=transport)
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],

@@ -14,11 +14,12 @@ import logging
 import threading
 import time
 
-import grpc
 from google.protobuf.message import DecodeError
 
-from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from rlmesh.v1 import common_pb2, reward_pb2
+from rollout_server.episode import EpisodeRunner
 from rollout_server.generator import VLLMGenerator
+from rollout_server.reward_client import MULTI_TURN, RewardPool
 from services.queue import Entry, StreamQueue
 
 log = logging.getLogger(__name__)
@@ -26,13 +27,12 @@ log = logging.getLogger(__name__)
 
 class RolloutWorker:
     def __init__(self, generator: VLLMGenerator, prompts: StreamQueue, trajectories: StreamQueue,
-                 reward: reward_pb2_grpc.RewardServiceStub, *, consumer: str, max_concurrent_groups: int,
-                 score_timeout_s: float, queue_url: str | None = None) -> None:
-        self.generator, self.prompts, self.trajectories, self.reward = generator, prompts, trajectories, reward
+                 rewards: RewardPool, episodes: EpisodeRunner, *, consumer: str, max_concurrent_groups: int,
+                 queue_url: str | None = None) -> None:
+        self.generator, self.prompts, self.trajectories = generator, prompts, trajectories
+        self.rewards, self.episodes = rewards, episodes
         self.consumer = consumer
-        self.slots = asyncio.Semaphore(max_concurrent_groups)
         self.max_concurrent_groups = max_concurrent_groups
-        self.score_timeout_s = score_timeout_s
         self.ready = asyncio.Event()  # set once this server holds the learner's current weights
         self.num_inflight = 0
         self.num_completed = 0
@@ -110,11 +110,14 @@ class RolloutWorker:
             return
         t0 = time.monotonic()
         try:
-            prompt_ids, samples = await self.generator.generate_group(group)
+            if await self.rewards.kind(group.env_name) == MULTI_TURN:
+                prompt_ids, samples = await self.episodes.run_group(group)  # scored step by step
+            else:
+                prompt_ids, samples = await self.generator.generate_group(group)
+                await self._score(group, samples)
         except ValueError as err:
             await self._dead_letter(entry, str(err))
             return
-        await self._score(group, samples)
         trajectory = common_pb2.TrajectoryGroup(
             group_id=group.group_id, run_id=group.run_id, prompt=group, prompt_token_ids=prompt_ids,
             samples=samples, generator_id=self.consumer, generation_seconds=time.monotonic() - t0,
@@ -132,18 +135,7 @@ class RolloutWorker:
                                  env_metadata=group.env_metadata)
             for s in samples
         ])
-        delay = 0.5
-        while True:
-            try:
-                reply = await self.reward.Score(request, timeout=self.score_timeout_s)
-                break
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                log.warning("reward server unreachable (%s); retrying group %s in %.1fs",
-                            err.code().name, group.group_id, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        reply = await self.rewards.score(request, f"group {group.group_id}")
         for sample, result in zip(samples, reply.results):
             sample.reward = result.reward
             sample.reward_components.update(result.components)

@@ -42,6 +42,10 @@ class TinyModelSection(Section):
     """Key/value heads (grouped-query attention)."""
     intermediate_size: int = Field(256, gt=0)
     """MLP width."""
+    tokenizer: Literal["bytes", "bpe"] = "bytes"
+    """bytes: every byte one token (no merges); bpe: byte-level BPE with merges learned from the tasks' text."""
+    bpe_vocab_size: int = Field(512, ge=300)
+    """Vocabulary size of the `bpe` tokenizer (256 bytes + 3 special tokens + merges)."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelSection:
@@ -100,6 +104,21 @@ DataSection = Annotated[
 ]
 
 
+class EpisodeSection(Section):
+    max_turns: int = Field(8, ge=1)
+    """Model turns of one multi-turn episode; past it the episode ends (finish_reason `max_turns`)."""
+    max_total_tokens: int | None = Field(None, ge=2)
+    """Prompt plus every turn's tokens; each turn's generation is capped to fit (unset: rollout.max_model_len)."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one environment Reset or Step call; past it the episode fails with reason `step_timeout`."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of a whole episode (generation and environment); past it the episode fails with `episode_timeout`."""
+    on_error: Literal["drop", "penalize"] = "drop"
+    """A failed episode (environment error, timeout) is dropped from training (`drop`), or trained with `error_reward` (`penalize`)."""
+    error_reward: float = 0.0
+    """Reward of a failed episode under on_error=penalize."""
+
+
 class RolloutSection(Section):
     num_servers: int = Field(1, ge=1)
     """Rollout servers `rlmesh up` starts."""
@@ -123,6 +142,8 @@ class RolloutSection(Section):
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_cores: str = "auto"
     """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND): '0', '0-3' or 'auto'."""
+    episode: EpisodeSection = EpisodeSection()
+    """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""
 
 
 class RewardSection(Section):
@@ -254,13 +275,18 @@ class NetworkSection(Section):
     learner_address: str = "127.0.0.1:50051"
     """Learner control plane."""
     reward_address: str = "127.0.0.1:50052"
-    """Reward server."""
+    """Reward server, or several replicas comma-separated (`a:50052,b:50052`): rollout servers spread Score calls and episodes over them."""
     token_env: str = "RLMESH_TOKEN"
     """Environment variable holding the shared bearer token (unset: no auth)."""
     token_file: str | None = None
     """File holding the shared bearer token (takes precedence over token_env)."""
     rpc_timeout_s: float = Field(30.0, gt=0)
     """Default deadline of a control-plane call."""
+
+
+    @property
+    def reward_addresses(self) -> list[str]:
+        return [a.strip() for a in self.reward_address.split(",") if a.strip()]
 
 
 class LoggingSection(Section):

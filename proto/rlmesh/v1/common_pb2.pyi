@@ -68,7 +68,7 @@ class PromptGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[_Union[TokenSequence, _Mapping]] = ..., env_name: _Optional[str] = ..., env_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., issued_at_version: _Optional[int] = ..., split: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("index", "completion", "logprobs", "finish_reason", "min_version", "max_version", "reward", "reward_components", "error", "text", "num_turns")
+    __slots__ = ("index", "completion", "logprobs", "finish_reason", "min_version", "max_version", "reward", "reward_components", "error", "text", "num_turns", "turns")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Sample(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
     index: int
     completion: TokenSequence
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -98,7 +99,26 @@ class Sample(_message.Message):
     error: str
     text: str
     num_turns: int
-    def __init__(self, index: _Optional[int] = ..., completion: _Optional[_Union[TokenSequence, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., text: _Optional[str] = ..., num_turns: _Optional[int] = ...) -> None: ...
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    def __init__(self, index: _Optional[int] = ..., completion: _Optional[_Union[TokenSequence, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., text: _Optional[str] = ..., num_turns: _Optional[int] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("start", "num_sampled_tokens", "num_env_tokens", "min_version", "max_version", "finish_reason", "env_seconds")
+    START_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ENV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    num_sampled_tokens: int
+    num_env_tokens: int
+    min_version: int
+    max_version: int
+    finish_reason: str
+    env_seconds: float
+    def __init__(self, start: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_env_tokens: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., env_seconds: _Optional[float] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("group_id", "run_id", "prompt", "prompt_token_ids", "samples", "generator_id", "generation_seconds")

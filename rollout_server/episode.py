@@ -1,0 +1,278 @@
+"""Multi-turn episodes against a reward server's sessions, token-in/token-out.
+
+An episode: Reset (the environment's first messages and its tools) → generate → Step with the
+model's message → append the environment's answer → generate again, until the environment says
+done or a budget ends it (`rollout.episode`: turns, total tokens, per-call and per-episode time).
+
+Token-in/token-out: what vLLM sampled is kept exactly, id for id, and the next turn is generated
+from those same ids; only the environment's new messages are tokenized, through the model's own
+chat template, and appended. Nothing is ever re-rendered from text, so the ids the learner trains
+on are the ids vLLM sampled (re-tokenizing "579" sampled as "5" "79" would give other ids, and
+other logprobs). Environment tokens carry loss_mask false and logprob 0; each turn records the
+policy versions it was sampled under (`Sample.turns`).
+
+An episode that fails (environment error, timeout) is reported with its reason in
+`Sample.finish_reason` and `Sample.error`: the learner never trains on it (`on_error: drop`), or,
+with `on_error: penalize`, it is trained with `error_reward` and marked by the `episode_failed`
+component — never silently as reward 0. An episode cut by the turn or token budget is not a failure:
+it keeps the reward its steps earned, with finish_reason `max_turns` or `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from rlmesh.v1 import common_pb2, reward_pb2
+
+if TYPE_CHECKING:
+    from rollout_server.generator import VLLMGenerator
+    from rollout_server.reward_client import Replica, RewardPool
+    from services.config import EpisodeSection
+
+log = logging.getLogger(__name__)
+
+# Stand-ins for the history when rendering only an environment's new messages.
+_HISTORY = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+
+class EpisodeFailed(Exception):
+    """The episode cannot go on; `reason` is a short name (`step_timeout`, `env_error`, ...)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+def as_dicts(messages) -> list[dict[str, str]]:
+    out = []
+    for m in messages:
+        d = {"role": m.role, "content": m.content}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+class ChatCodec:
+    """Token ids of a conversation's pieces, from the model's chat template."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+
+    def render(self, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
+                                                       add_generation_prompt=generation_prompt, return_dict=False))
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        if not messages:
+            raise ValueError("an episode needs at least one message (the prompt or the environment's first "
+                             "observation)")
+        return self.render(messages, tools, generation_prompt=True)
+
+    def continuation(self, observation: list[dict], tools: list[dict] | None, ended_with_eos: bool) -> list[int]:
+        """The ids that follow an assistant turn: its end-of-turn token if the model did not sample
+        one, the template's separator after it, the new messages, and the next generation prompt.
+        Rendered after a stand-in history and cut off at the history's end: the template must render
+        earlier turns the same whatever follows them (true of ChatML templates)."""
+        base = self.render(_HISTORY, tools, generation_prompt=False)
+        full = self.render(_HISTORY + observation, tools, generation_prompt=True)
+        if full[: len(base)] != base:
+            raise ValueError("the chat template renders earlier turns differently once messages follow them, so "
+                             "appending turns token by token is impossible with it; use a template that does not")
+        if self.eos_id not in base:
+            raise ValueError("the chat template does not end an assistant turn with the tokenizer's eos token")
+        end = len(base) - base[::-1].index(self.eos_id)  # just past the assistant turn's eos
+        return ([] if ended_with_eos else [self.eos_id]) + base[end:] + full[len(base):]
+
+
+@dataclass
+class EpisodeTrace:
+    """One episode as it is built: the context vLLM sees and the completion the learner trains on."""
+
+    context: list[int]
+    num_prompt: int
+    completion: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[common_pb2.Turn] = field(default_factory=list)
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""
+    error: str = ""
+    text: list[str] = field(default_factory=list)
+
+    def add_env(self, ids: list[int]) -> None:
+        self.context += ids
+        self.completion += ids
+        self.loss_mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+
+class EpisodeRunner:
+    def __init__(self, generator: VLLMGenerator, pool: RewardPool, cfg: EpisodeSection, max_model_len: int) -> None:
+        self.generator, self.pool, self.cfg = generator, pool, cfg
+        self.max_total = min(cfg.max_total_tokens or max_model_len, max_model_len)
+        self.codec = ChatCodec(generator.tokenizer)
+        self.num_failed = 0
+
+    async def run_group(self, group: common_pb2.PromptGroup) -> tuple[list[int], list[common_pb2.Sample]]:
+        """`n` episodes of one prompt. The group's prompt ids are the longest prefix every episode's
+        first context shares; the rest of an episode's first context (e.g. a per-session
+        observation) opens its completion with loss_mask false."""
+        if group.n < 1:
+            raise ValueError(f"group {group.group_id}: n={group.n} must be >= 1")
+        if group.prompt_tokens.token_ids:
+            raise ValueError(f"group {group.group_id}: environment {group.env_name!r} is multi-turn and needs chat "
+                             "messages, not prompt_tokens")
+        traces = await asyncio.gather(*(self.run_episode(group, i) for i in range(group.n)))
+        started = [t.context[: t.num_prompt] for t in traces if t.num_prompt]
+        shared = _common_prefix(started) if started else []
+        samples = [self._sample(i, t, len(shared)) for i, t in enumerate(traces)]
+        return shared, samples
+
+    async def run_episode(self, group: common_pb2.PromptGroup, index: int) -> EpisodeTrace:
+        trace = EpisodeTrace(context=[], num_prompt=0)
+        replica = self.pool.pick()
+        session = ""
+        try:
+            async with asyncio.timeout(self.cfg.episode_timeout_s):
+                request = reward_pb2.ResetRequest(env_name=group.env_name, env_metadata=group.env_metadata,
+                                                  prompt=group.messages)
+                reply = await self._env_call(replica, "Reset", request)
+                session = reply.session_id
+                tools = [MessageToDict(t) for t in reply.tools]
+                try:
+                    trace.context = self.codec.prompt(as_dicts(group.messages) + as_dicts(reply.observation), tools)
+                except ValueError as err:
+                    raise EpisodeFailed("invalid_prompt", str(err)) from None
+                trace.num_prompt = len(trace.context)
+                await self._turns(group, index, replica, session, tools, trace)
+        except EpisodeFailed as err:
+            trace.finish_reason, trace.error = err.reason, str(err)
+        except TimeoutError:
+            trace.finish_reason = "episode_timeout"
+            trace.error = (f"episode_timeout: the episode ran past rollout.episode.episode_timeout_s="
+                           f"{self.cfg.episode_timeout_s}s")
+        finally:
+            if session:
+                await self._close(replica, session)
+        if trace.error:
+            self.num_failed += 1
+            log.warning("group %s episode %d failed: %s", group.group_id, index, trace.error)
+        return trace
+
+    async def _turns(self, group: common_pb2.PromptGroup, index: int, replica: Replica, session: str,
+                     tools: list[dict[str, Any]], trace: EpisodeTrace) -> None:
+        for turn in range(self.cfg.max_turns):
+            budget = self.max_total - len(trace.context)
+            if budget < 1:
+                trace.finish_reason = "max_tokens"
+                return
+            params = self.generator.sampling_params(group, index, max_tokens=budget, turn=turn)
+            request_id = f"{group.group_id}-{index}-t{turn}-{uuid.uuid4().hex[:8]}"
+            try:
+                gen = await self.generator.generate_ids(trace.context, params, request_id)
+            except ValueError as err:  # vLLM refused the request (e.g. the context no longer fits)
+                raise EpisodeFailed("invalid_request", str(err)) from None
+            record = common_pb2.Turn(start=len(trace.completion), num_sampled_tokens=len(gen.token_ids),
+                                     min_version=gen.min_version, max_version=gen.max_version,
+                                     finish_reason=gen.finish_reason)
+            trace.turns.append(record)
+            trace.context += gen.token_ids
+            trace.completion += gen.token_ids
+            trace.loss_mask += [True] * len(gen.token_ids)
+            trace.logprobs += gen.logprobs
+            trace.text.append(gen.text)
+
+            t0 = time.monotonic()
+            action = common_pb2.ChatMessage(role="assistant", content=gen.text)
+            step = await self._env_call(replica, "Step", reward_pb2.StepRequest(session_id=session, action=action))
+            record.env_seconds = time.monotonic() - t0
+            trace.reward += step.reward
+            if step.done:
+                trace.components = dict(step.components)
+                trace.finish_reason = "done"
+                return
+            ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == self.codec.eos_id
+            try:
+                env_ids = self.codec.continuation(as_dicts(step.observation), tools, ended_with_eos)
+            except ValueError as err:
+                raise EpisodeFailed("invalid_observation", str(err)) from None
+            trace.add_env(env_ids)
+            record.num_env_tokens = len(env_ids)
+        trace.finish_reason = "max_turns"
+
+    async def _env_call(self, replica: Replica, method: str, request):
+        """Reset or Step on the session's replica, with `step_timeout_s`. A Reset may wait for an
+        unreachable reward tier (no state yet); anything else that fails ends the episode."""
+        delay = 0.5
+        while True:
+            try:
+                return await getattr(replica.stub, method)(request, timeout=self.cfg.step_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if method == "Reset" and code == grpc.StatusCode.UNAVAILABLE:
+                    log.warning("reward server %s unreachable for Reset; retrying in %.1fs", replica.address, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+                    continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise EpisodeFailed("step_timeout", f"{method} took longer than rollout.episode.step_timeout_s="
+                                                        f"{self.cfg.step_timeout_s}s ({err.details()})") from None
+                raise EpisodeFailed("env_error", f"{method} on reward server {replica.address} failed: "
+                                                 f"{code.name}: {err.details()}") from None
+
+    async def _close(self, replica: Replica, session: str) -> None:
+        try:
+            await replica.stub.Close(reward_pb2.CloseRequest(session_id=session), timeout=self.cfg.step_timeout_s)
+        except grpc.aio.AioRpcError as err:  # the episode's result stands; the server evicts idle sessions
+            log.debug("Close %s failed: %s", session, err.code().name)
+
+    def _sample(self, index: int, trace: EpisodeTrace, num_shared: int) -> common_pb2.Sample:
+        head = trace.context[num_shared: trace.num_prompt] if trace.num_prompt else []
+        for turn in trace.turns:
+            turn.start += len(head)
+        failed = bool(trace.error)
+        sample = common_pb2.Sample(
+            index=index,
+            completion=common_pb2.TokenSequence(token_ids=head + trace.completion,
+                                                loss_mask=[False] * len(head) + trace.loss_mask),
+            logprobs=[0.0] * len(head) + trace.logprobs,
+            finish_reason=trace.finish_reason,
+            min_version=min((t.min_version for t in trace.turns), default=self.generator.version),
+            max_version=max((t.max_version for t in trace.turns), default=self.generator.version),
+            reward=trace.reward,
+            text="".join(trace.text),
+            num_turns=len(trace.turns),
+            turns=trace.turns,
+        )
+        sample.reward_components.update(trace.components)
+        if failed and self.cfg.on_error == "penalize" and trace.completion:
+            sample.reward = self.cfg.error_reward
+            sample.reward_components["episode_failed"] = 1.0
+        elif failed:
+            sample.error = trace.error
+        return sample
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    first = seqs[0]
+    n = len(first)
+    for s in seqs[1:]:
+        n = min(n, len(s))
+        for j in range(n):
+            if s[j] != first[j]:
+                n = j
+                break
+    return first[:n]

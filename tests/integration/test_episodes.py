@@ -1,0 +1,194 @@
+"""Multi-turn episodes through a real rollout server (vLLM-CPU) and real reward servers, on a tiny
+model whose tokenizer has BPE merges: the ids the learner trains on are the ids vLLM sampled, turn
+after turn, with loss_mask 0 exactly on environment tokens; tools that hang or raise and an
+environment server killed mid-episode end their episodes with named reasons while the server goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import yaml
+from google.protobuf.struct_pb2 import Struct
+
+from learner.batch import Sequence, pack
+from learner.membership import LearnerService, Membership
+from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+from services.grpc_server import start_server
+from services.ports import free_port
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+ENVS = "tests.integration.episode_envs"
+STEP_TIMEOUT_S = 2.0
+MAX_TURNS = 3
+
+
+@pytest.fixture(scope="module")
+def bpe_model_dir(tmp_path_factory) -> Path:
+    from learner.tiny_model import write_tiny_model
+    from services.config import TinyModelSection
+
+    return write_tiny_model(TinyModelSection(tokenizer="bpe"), tmp_path_factory.mktemp("bpe") / "model", seed=0)
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "entrypoints.cli", *args], stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
+    from services.queue import StreamQueue, connect
+
+    tmp = tmp_path_factory.mktemp("episodes")
+    membership = Membership(token=None, rpc_timeout_s=60)
+    service = LearnerService(membership, "test-run", lambda: learner_pb2.LearnerStatusResponse(), lambda: 0)
+    learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service,
+                                   "rlmesh.v1.LearnerService")], port=0)
+    far_port, reward_port, suffix = free_port(), free_port(), uuid.uuid4().hex[:6]
+    base = {
+        "model": {"type": "hf", "path": str(bpe_model_dir)},
+        "queue": {"url": valkey_url, "prompt_stream": f"p-{suffix}", "trajectory_stream": f"t-{suffix}"},
+        "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
+        "rollout": {"max_tokens": 10, "max_model_len": 512, "temperature": 1.0,
+                    "episode": {"max_turns": MAX_TURNS, "step_timeout_s": STEP_TIMEOUT_S}},
+    }
+    far_cfg = {**base, "reward": {"functions": {"far": f"{ENVS}:SleepyTool"}}}
+    main_cfg = {**base, "reward": {"functions": {"lookup": f"{ENVS}:LookupTools", "sleepy": f"{ENVS}:SleepyTool",
+                                                 "raising": f"{ENVS}:RaisingTool"},
+                                   "remote": {"far": f"127.0.0.1:{far_port}"}}}
+    for name, cfg in (("far", far_cfg), ("main", main_cfg)):
+        (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    far = _spawn(["reward", "-c", str(tmp / "far.yaml"), "--port", str(far_port)], tmp / "far.log")
+    procs = [
+        far,
+        _spawn(["reward", "-c", str(tmp / "main.yaml"), "--port", str(reward_port)], tmp / "reward.log"),
+        _spawn(["rollout", "-c", str(tmp / "main.yaml"), "--port", "0", "--generator-id", "gen-0"],
+               tmp / "rollout.log"),
+    ]
+    deadline = time.monotonic() + 300
+    while "gen-0" not in membership.generators:
+        assert procs[2].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "rollout server did not register in 300s"
+        await asyncio.sleep(0.5)
+    redis = connect(valkey_url)
+    prompts = StreamQueue(redis, base["queue"]["prompt_stream"], group="rollout")
+    trajectories = StreamQueue(redis, base["queue"]["trajectory_stream"], group="learner")
+    await trajectories.ensure_group()
+    yield {"prompts": prompts, "trajectories": trajectories, "far": far, "tmp": tmp, "model": bpe_model_dir}
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    await learner.stop(0)
+
+
+def _group(env: str, n: int, **metadata) -> common_pb2.PromptGroup:
+    meta = Struct()
+    meta.update(metadata)
+    return common_pb2.PromptGroup(group_id=f"{env}-{uuid.uuid4().hex[:8]}", run_id="test-run", env_name=env, n=n,
+                                  messages=[common_pb2.ChatMessage(role="user", content="Add with the tool.")],
+                                  env_metadata=meta, split="train")
+
+
+async def _collect(mesh, group_ids: set[str], timeout_s: float = 240) -> dict[str, common_pb2.TrajectoryGroup]:
+    out: dict[str, common_pb2.TrajectoryGroup] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(out) != group_ids:
+        assert time.monotonic() < deadline, f"missing trajectories: {sorted(group_ids - set(out))}"
+        for e in await mesh["trajectories"].read("learner", count=16, block_ms=500):
+            traj = common_pb2.TrajectoryGroup.FromString(e.data)
+            out[traj.group_id] = traj
+            await mesh["trajectories"].ack(e.id)
+    return out
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_trained_ids_are_the_sampled_ids_across_turns(mesh):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    groups = [_group("lookup", 4, turns=MAX_TURNS), _group("lookup", 4, turns=10)]  # the second runs out of turns
+    for g in groups:
+        await mesh["prompts"].publish(g.group_id, g.SerializeToString())
+    got = await _collect(mesh, {g.group_id for g in groups})
+    tok = AutoTokenizer.from_pretrained(mesh["model"])
+    model = AutoModelForCausalLM.from_pretrained(mesh["model"], dtype=torch.float32).eval()
+    seqs, num_retokenized_differently = [], 0
+    for g in groups:
+        traj = got[g.group_id]
+        prompt = list(traj.prompt_token_ids)
+        # Sessions open with different observations: the shared prompt ends inside them.
+        assert prompt and tok.decode(prompt).startswith("<|im_start|>system\nTools:\nlookup(a)")
+        for s in traj.samples:
+            assert not s.error, s.error
+            ids, mask = list(s.completion.token_ids), list(s.completion.loss_mask)
+            assert len(mask) == len(ids) == len(s.logprobs)
+            assert s.num_turns == len(s.turns) == MAX_TURNS
+            assert s.finish_reason == ("done" if g is groups[0] else "max_turns")
+            # The loss mask is 1 exactly on the sampled tokens of each turn and 0 on everything else:
+            # the session's opening observation and every environment answer.
+            expected = [False] * len(ids)
+            for t in s.turns:
+                expected[t.start: t.start + t.num_sampled_tokens] = [True] * t.num_sampled_tokens
+                assert t.min_version == t.max_version == 0
+                env = ids[t.start + t.num_sampled_tokens: t.start + t.num_sampled_tokens + t.num_env_tokens]
+                if t is not s.turns[-1]:
+                    assert "<|im_start|>tool\nresult 579 then" in tok.decode(env)
+                    assert tok.decode(env).endswith("<|im_start|>assistant\n")
+                    assert all(lp == 0.0 for lp in s.logprobs[t.start + t.num_sampled_tokens:][:t.num_env_tokens])
+            assert mask == expected
+            full = prompt + ids
+            if tok.encode(tok.decode(full), add_special_tokens=False) != full:
+                num_retokenized_differently += 1
+            seqs.append(Sequence(prompt, ids, mask, list(s.logprobs)))
+    # The model is random: most episodes contain token sequences BPE would never produce from their
+    # text, so a re-rendering pipeline would have trained on other ids than were sampled.
+    assert num_retokenized_differently > 0
+    # The learner's own batch: its logprobs of the masked-in targets, under the weights vLLM sampled
+    # with, match vLLM's logprobs token for token -- they are the same tokens in the same contexts.
+    micro = pack(seqs, tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=micro.input_ids_BT, attention_mask=micro.attention_mask_BT).logits[:, :-1]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, micro.input_ids_BT[:, 1:, None])[..., 0]
+    mask = micro.loss_mask_BT.bool()
+    assert int(mask.sum()) == sum(t.num_sampled_tokens for g in got.values() for s in g.samples for t in s.turns)
+    diff = (logprobs - micro.behaviour_logprobs_BT).abs()[mask]
+    assert float(diff.max()) < 2e-3, f"learner vs vLLM logprob gap {float(diff.max()):.2e}"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_failing_tools_and_a_killed_env_server_end_episodes_with_named_reasons(mesh):
+    flag = mesh["tmp"] / "far-stepping"
+    sleepy, raising = _group("sleepy", 2, sleep_s=5.0), _group("raising", 2)
+    far = _group("far", 1, sleep_s=30.0, flag=str(flag))
+    for g in (sleepy, raising, far):
+        await mesh["prompts"].publish(g.group_id, g.SerializeToString())
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert time.monotonic() < deadline, "the remote environment never started its step"
+        await asyncio.sleep(0.05)
+    os.killpg(mesh["far"].pid, signal.SIGKILL)  # the environment server dies mid-step
+    after = _group("lookup", 2, turns=2)  # the rollout server goes on serving
+    await mesh["prompts"].publish(after.group_id, after.SerializeToString())
+    got = await _collect(mesh, {g.group_id for g in (sleepy, raising, far, after)})
+
+    for s in got[sleepy.group_id].samples:
+        assert s.finish_reason == "step_timeout" and "step_timeout_s=2.0" in s.error, s.error
+    for s in got[raising.group_id].samples:
+        assert s.finish_reason == "env_error" and "the lookup tool exploded" in s.error, s.error
+        assert s.num_turns == 2  # the first step answered; the second raised
+    for s in got[far.group_id].samples:
+        assert s.finish_reason in ("env_error", "step_timeout"), s.error
+        assert "far" in s.error, s.error
+    assert all(not s.error and s.finish_reason == "done" for s in got[after.group_id].samples)
