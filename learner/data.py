@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.config import ArithmeticDataSection, DataSection, JsonlDataSection
+from services.config import ArithmeticDataSection, CalculatorDataSection, DataSection, JsonlDataSection
+from services.tasks import ADD_TOOL, calculator_prompt
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,10 @@ class Example:
     """Environment that scores it."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Passed to the environment as is (e.g. {"answer": "7"})."""
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """Tools the environment offers (function schemas); SFT renders them as the episode will."""
+    demonstration: list[dict[str, str]] = field(default_factory=list)
+    """For SFT: a whole conversation to imitate (assistant turns learned, tool results not); empty for single-turn data."""
 
     @property
     def reference(self) -> str | None:
@@ -62,6 +67,32 @@ def _arithmetic(cfg: ArithmeticDataSection, seed: int) -> tuple[list[Example], l
     return train, eval_set
 
 
+def _calculator(cfg: CalculatorDataSection, seed: int) -> tuple[list[Example], list[Example]]:
+    """Tool-use problems: two operands too large for a tiny model to add in its weights. Each example
+    carries the `add` tool and a demonstration (call the tool, read its result, answer)."""
+    rng = random.Random(seed)
+    span = cfg.max_operand - cfg.min_operand + 1
+    if span * span < cfg.num_train + cfg.num_eval:
+        raise ValueError(f"data: [{cfg.min_operand}, {cfg.max_operand}] gives {span * span} operand pairs, fewer than "
+                         f"num_train + num_eval = {cfg.num_train + cfg.num_eval}; widen the range")
+    pairs: set[tuple[int, int]] = set()
+    while len(pairs) < cfg.num_train + cfg.num_eval:
+        pairs.add((rng.randint(cfg.min_operand, cfg.max_operand), rng.randint(cfg.min_operand, cfg.max_operand)))
+    ordered = sorted(pairs)
+    rng.shuffle(ordered)
+    examples = []
+    for a, b in ordered:
+        prompt = [{"role": "user", "content": calculator_prompt(a, b)}]
+        call = json.dumps({"name": "add", "arguments": {"a": a, "b": b}})
+        demonstration = [*prompt, {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                         {"role": "tool", "name": "add", "content": str(a + b)},
+                         {"role": "assistant", "content": str(a + b)}]
+        examples.append(Example(id=f"{a}+{b}", messages=prompt, env=cfg.env_name,
+                                metadata={"answer": a + b, "a": a, "b": b}, tools=[ADD_TOOL],
+                                demonstration=demonstration))
+    return examples[cfg.num_eval:], examples[: cfg.num_eval]
+
+
 def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
@@ -96,4 +127,6 @@ def load_dataset(cfg: DataSection, seed: int) -> tuple[list[Example], list[Examp
     """(train, eval) examples."""
     if isinstance(cfg, ArithmeticDataSection):
         return _arithmetic(cfg, seed)
+    if isinstance(cfg, CalculatorDataSection):
+        return _calculator(cfg, seed)
     return _jsonl(cfg.train_path, cfg), _jsonl(cfg.eval_path, cfg)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from learner.batch import Sequence
 from learner.data import Example, load_dataset
+from services.chat import ChatCodec
 from services.config import HFModelSection, RunConfig
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,26 @@ def sft_target(example: Example, rng: random.Random, label_noise: float) -> str:
     return reference
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+def sft_conversation(example: Example, rng: random.Random, label_noise: float) -> list[dict[str, str]]:
+    """A tool-use demonstration to imitate. With probability `label_noise` the model instead answers
+    at once, without the tool, with a guess (the answer's digits shuffled, so rarely right): the
+    warm start calls the tool only some of the time, and RL has to learn that the tool pays."""
+    if not (label_noise and rng.random() < label_noise):
+        return example.demonstration
+    digits = list(str(example.reference or "0"))
+    rng.shuffle(digits)
+    return [*example.prompt_messages, {"role": "assistant", "content": "".join(digits)}]
+
+
+def sft_sequence(example: Example, codec: ChatCodec, rng: random.Random, label_noise: float,
+                 prompt_cache: dict[str, list[int]]) -> Sequence:
+    if example.demonstration:
+        prompt, completion, mask = codec.conversation(sft_conversation(example, rng, label_noise), example.tools)
+        return Sequence(prompt, completion, mask)
+    if example.id not in prompt_cache:
+        prompt_cache[example.id] = codec.prompt(example.prompt_messages, example.tools)
+    target = codec.tokenizer.encode(sft_target(example, rng, label_noise), add_special_tokens=False) + [codec.eos_id]
+    return Sequence(prompt_cache[example.id], target, [True] * len(target))
 
 
 def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None = None) -> Path:
@@ -58,16 +77,14 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
     trainer = Trainer(config, model_dir, "sft", lr=config.sft.lr, pad_id=tokenizer.pad_token_id)
     train, _ = load_dataset(config.data, config.run.seed)
     rng = random.Random(config.run.seed)
-    prompt_cache = {ex.id: encode_chat(tokenizer, ex.prompt_messages) for ex in train}
-    eos = tokenizer.eos_token_id
+    codec = ChatCodec(tokenizer)
+    prompt_cache: dict[str, list[int]] = {}
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     bar = tqdm(range(config.sft.num_steps), desc="sft", disable=not show_progress)
     for _ in bar:
-        seqs = []
-        for ex in rng.choices(train, k=config.sft.batch_size):
-            target = tokenizer.encode(sft_target(ex, rng, config.sft.label_noise), add_special_tokens=False) + [eos]
-            seqs.append(Sequence(prompt_cache[ex.id], target, [True] * len(target)))
+        seqs = [sft_sequence(ex, codec, rng, config.sft.label_noise, prompt_cache)
+                for ex in rng.choices(train, k=config.sft.batch_size)]
         metrics = trainer.step(seqs, config.sft.lr)
         bar.set_postfix(nll=f"{metrics['nll']:.3f}")
     trainer.save_pretrained(output)

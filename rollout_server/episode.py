@@ -31,6 +31,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.v1 import common_pb2, reward_pb2
+from services.chat import ChatCodec, as_dicts
 
 if TYPE_CHECKING:
     from rollout_server.generator import VLLMGenerator
@@ -39,61 +40,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Stand-ins for the history when rendering only an environment's new messages.
-_HISTORY = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-
-
 class EpisodeFailed(Exception):
     """The episode cannot go on; `reason` is a short name (`step_timeout`, `env_error`, ...)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
-
-
-def as_dicts(messages) -> list[dict[str, str]]:
-    out = []
-    for m in messages:
-        d = {"role": m.role, "content": m.content}
-        if m.name:
-            d["name"] = m.name
-        if m.tool_call_id:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
-
-
-class ChatCodec:
-    """Token ids of a conversation's pieces, from the model's chat template."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
-
-    def render(self, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
-                                                       add_generation_prompt=generation_prompt, return_dict=False))
-
-    def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        if not messages:
-            raise ValueError("an episode needs at least one message (the prompt or the environment's first "
-                             "observation)")
-        return self.render(messages, tools, generation_prompt=True)
-
-    def continuation(self, observation: list[dict], tools: list[dict] | None, ended_with_eos: bool) -> list[int]:
-        """The ids that follow an assistant turn: its end-of-turn token if the model did not sample
-        one, the template's separator after it, the new messages, and the next generation prompt.
-        Rendered after a stand-in history and cut off at the history's end: the template must render
-        earlier turns the same whatever follows them (true of ChatML templates)."""
-        base = self.render(_HISTORY, tools, generation_prompt=False)
-        full = self.render(_HISTORY + observation, tools, generation_prompt=True)
-        if full[: len(base)] != base:
-            raise ValueError("the chat template renders earlier turns differently once messages follow them, so "
-                             "appending turns token by token is impossible with it; use a template that does not")
-        if self.eos_id not in base:
-            raise ValueError("the chat template does not end an assistant turn with the tokenizer's eos token")
-        end = len(base) - base[::-1].index(self.eos_id)  # just past the assistant turn's eos
-        return ([] if ended_with_eos else [self.eos_id]) + base[end:] + full[len(base):]
 
 
 @dataclass

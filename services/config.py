@@ -99,8 +99,29 @@ class JsonlDataSection(Section):
     """Environment that scores these prompts (a row's own "env" field overrides it)."""
 
 
+class CalculatorDataSection(Section):
+    type: Literal["calculator"] = "calculator"
+    """Generated tool-use problems ("What is 123 + 456?") for the `calculator` environment and its `add` tool."""
+    num_train: int = Field(2000, gt=0)
+    """Training prompts."""
+    num_eval: int = Field(40, gt=0)
+    """Held-out prompts (operand pairs disjoint from training)."""
+    min_operand: int = Field(100, ge=0)
+    """Operands are drawn from [min_operand, max_operand]: large enough that a tiny model cannot add them in its weights."""
+    max_operand: int = Field(999, ge=1)
+    """Largest operand."""
+    env_name: str = "calculator"
+    """Environment that runs the episodes (a multi-turn environment with an `add` tool)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> CalculatorDataSection:
+        if self.max_operand < self.min_operand:
+            raise ValueError(f"data.max_operand={self.max_operand} is below data.min_operand={self.min_operand}")
+        return self
+
+
 DataSection = Annotated[
-    Union[ArithmeticDataSection, JsonlDataSection], Field(discriminator="type")
+    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection], Field(discriminator="type")
 ]
 
 
@@ -225,7 +246,7 @@ class SFTSection(Section):
     lr: float = Field(3e-3, gt=0)
     """SFT learning rate."""
     label_noise: float = Field(0.0, ge=0, le=1)
-    """Fraction of SFT targets given a stray trailing "!" (scored wrong), so the warm start leaves room for RL."""
+    """Fraction of SFT targets made wrong so the warm start leaves room for RL: a stray trailing "!" on a single answer; a tool-use demonstration instead answers at once, without the tool, with a guess."""
 
 
 class AlgorithmSection(Section):

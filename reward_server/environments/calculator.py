@@ -22,24 +22,9 @@ from typing import Any
 
 from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
 from reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
+from services.tasks import ADD_TOOL, calculator_prompt
 
 _INT = re.compile(r"-?\d+")
-
-ADD_TOOL: ToolSchema = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers and return their sum.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "a": {"type": "integer", "description": "The first addend."},
-                "b": {"type": "integer", "description": "The second addend."},
-            },
-            "required": ["a", "b"],
-        },
-    },
-}
 
 
 @dataclass
@@ -84,8 +69,7 @@ class CalculatorEnvironment:
             if a is None or b is None:
                 raise ValueError("calculator: an empty prompt needs integer metadata.a and metadata.b to state "
                                  "the task")
-            observation = [{"role": "user", "content": f"What is {a} + {b}? Use the add tool, then answer with "
-                                                       "the number only."}]
+            observation = [{"role": "user", "content": calculator_prompt(a, b)}]
         return ResetOutput(CalculatorState(answer, max_turns), observation)
 
     def step(self, state: CalculatorState, action: Message) -> StepOutput:
