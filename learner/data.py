@@ -26,6 +26,8 @@ class Example:
     """Tools the environment offers (function schemas); SFT renders them as the episode will."""
     demonstration: list[dict[str, str]] = field(default_factory=list)
     """For SFT: a whole conversation to imitate (assistant turns learned, tool results not); empty for single-turn data."""
+    shortcut: list[dict[str, str]] = field(default_factory=list)
+    """For SFT label noise: a plausible wrong conversation imitated instead of `demonstration` (e.g. answering without the tool)."""
 
     @property
     def reference(self) -> str | None:
@@ -87,9 +89,11 @@ def _calculator(cfg: CalculatorDataSection, seed: int) -> tuple[list[Example], l
         demonstration = [*prompt, {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
                          {"role": "tool", "name": "add", "content": str(a + b)},
                          {"role": "assistant", "content": str(a + b)}]
+        # The shortcut answers at once, repeating the first number: wrong, and one definite habit
+        # (not a spread of guesses), so that it can be the warm start's greedy choice.
         examples.append(Example(id=f"{a}+{b}", messages=prompt, env=cfg.env_name,
                                 metadata={"answer": a + b, "a": a, "b": b}, tools=[ADD_TOOL],
-                                demonstration=demonstration))
+                                demonstration=demonstration, shortcut=[*prompt, {"role": "assistant", "content": str(a)}]))
     return examples[cfg.num_eval:], examples[: cfg.num_eval]
 
 

@@ -41,14 +41,12 @@ def sft_target(example: Example, rng: random.Random, label_noise: float) -> str:
 
 
 def sft_conversation(example: Example, rng: random.Random, label_noise: float) -> list[dict[str, str]]:
-    """A tool-use demonstration to imitate. With probability `label_noise` the model instead answers
-    at once, without the tool, with a guess (the answer's digits shuffled, so rarely right): the
-    warm start calls the tool only some of the time, and RL has to learn that the tool pays."""
-    if not (label_noise and rng.random() < label_noise):
-        return example.demonstration
-    digits = list(str(example.reference or "0"))
-    rng.shuffle(digits)
-    return [*example.prompt_messages, {"role": "assistant", "content": "".join(digits)}]
+    """A multi-turn demonstration to imitate. With probability `label_noise` the example's shortcut
+    instead (the calculator's: answer at once, without the tool, repeating the first number): the
+    warm start takes the shortcut most of the time, and RL has to learn that the tool pays."""
+    if label_noise and example.shortcut and rng.random() < label_noise:
+        return example.shortcut
+    return example.demonstration
 
 
 def sft_sequence(example: Example, codec: ChatCodec, rng: random.Random, label_noise: float,
