@@ -170,20 +170,37 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
     host = config.network.host
     resolved.network.learner_address = f"{host}:{learner_port}"
     resolved.network.reward_address = f"{host}:{reward_port}"
+    env_ports = {name: free_port() for name in config.reward.env_processes}
+    if env_ports:
+        # One reward server serving every environment locally, proxied by the main one.
+        env_config = resolved.model_copy(deep=True)
+        env_config.reward.remote, env_config.reward.env_processes = {}, []
+        dump_config(env_config, run_dir / "config.env.yaml")
+        resolved.reward.remote = {**resolved.reward.remote, **{name: f"{host}:{p}" for name, p in env_ports.items()}}
     resolved_path = run_dir / "config.resolved.yaml"
     dump_config(resolved, resolved_path)
     base = ["-c", str(resolved_path)]
 
+    for name, port in env_ports.items():
+        mesh.spawn(f"env-{name}", ["reward", "-c", str(run_dir / "config.env.yaml"), "--port", str(port)])
+    # Serving before the main reward server registers them, so it learns what they serve.
+    _wait_serving(mesh, host, {f"env-{n}": p for n, p in env_ports.items()})
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
     learner = mesh.spawn("learner", ["learner", *base, "--run-dir", str(run_dir), "--port", str(learner_port)],
                          launcher=torchrun_args(config))
     for i in range(config.rollout.num_servers):
         mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}"])
 
+    _wait_serving(mesh, host, {"reward": reward_port, "learner": learner_port})
+    print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
+    return _watch(mesh, learner, config, run_dir)
+
+
+def _wait_serving(mesh: Mesh, host: str, ports: dict[str, int]) -> None:
     from services.grpc_client import ExitedWhileStarting, wait_for_serving
 
     services = {svc.name: svc for svc in mesh.services}
-    for name, port in (("reward", reward_port), ("learner", learner_port)):
+    for name, port in ports.items():
         svc = services[name]
         try:
             asyncio.run(wait_for_serving(f"{host}:{port}", what=f"{name} server", timeout_s=600,
@@ -191,8 +208,6 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
         except ExitedWhileStarting:
             raise SystemExit(f"rlmesh up: {name} exited while starting (code {svc.proc.returncode}); last lines of "
                              f"{svc.log_path}:\n{svc.tail()}") from None
-    print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
-    return _watch(mesh, learner, config, run_dir)
 
 
 def torchrun_args(config: RunConfig) -> list[str] | None:

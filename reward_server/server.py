@@ -7,7 +7,7 @@ import os
 
 import uvloop
 
-from reward_server.service import RewardService
+from reward_server.service import BUILTIN, RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from services.auth import TLSFiles, load_token
 from services.config import RunConfig
@@ -22,7 +22,10 @@ async def serve(config: RunConfig, port: int) -> None:
     token = load_token(config.network.token_file, config.network.token_env)
     section = config.reward
     service = RewardService(
-        section.functions, token=token, remote_timeout_s=section.score_timeout_s,
+        # A name declared remote is served by its remote server, never by the built-in of that name.
+        {k: v for k, v in section.functions.items() if k not in section.remote},
+        builtin=[name for name in BUILTIN if name not in section.remote],
+        token=token, remote_timeout_s=section.score_timeout_s,
         env_timeout_s=section.env_timeout_s,
         env_max_concurrency=section.env_max_concurrency,
         session_idle_timeout_s=section.session_idle_timeout_s,
@@ -40,6 +43,6 @@ async def serve(config: RunConfig, port: int) -> None:
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:
-    port = args.port if args.port is not None else int(config.network.reward_address.rsplit(":", 1)[1])
+    port = args.port if args.port is not None else int(config.network.reward_addresses[0].rsplit(":", 1)[1])
     uvloop.run(serve(config, port))
     return 0

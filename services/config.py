@@ -182,6 +182,8 @@ class RewardSection(Section):
     """Multi-turn sessions idle this long are closed."""
     replica_id: str | None = None
     """Names this reward-server replica in session ids (e.g. the pod name); random per start when unset."""
+    env_processes: list[str] = []
+    """Environments `rlmesh up` serves from a reward-server process of their own (own crash domain and CPU), proxied by the main reward server under the same name like any remote environment."""
 
 
 class FSDP2BackendSection(Section):
