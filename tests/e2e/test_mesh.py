@@ -29,11 +29,11 @@ def _cmdline(proc: psutil.Process) -> str:
 class Up:
     """`rlmesh up` in a subprocess, tracking every descendant it ever had."""
 
-    def __init__(self, run_dir: Path, *overrides: str) -> None:
+    def __init__(self, run_dir: Path, *overrides: str, config: str = "examples/arithmetic_grpo.yaml") -> None:
         self.run_dir = run_dir
         self.out_path = run_dir.parent / f"{run_dir.name}.out"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "entrypoints.cli", "up", "-c", str(REPO / "examples/arithmetic_grpo.yaml"),
+            [sys.executable, "-m", "entrypoints.cli", "up", "-c", str(REPO / config),
              "--run-dir", str(run_dir), "logging.progress=false", *overrides],
             stdout=self.out_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)})
