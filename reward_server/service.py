@@ -36,6 +36,7 @@ from reward_server.remote import RemoteEnvironment
 from reward_server.runner import EnvironmentTimeout, EnvRunner
 from reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.chat import as_dicts as to_messages
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +45,6 @@ BUILTIN = {"arithmetic": ArithmeticEnvironment, "guess_number": GuessNumberEnvir
 # Share of the caller's remaining deadline given to the environment, so that per-item errors get
 # back to the caller before its own deadline ends the whole call.
 _DEADLINE_SHARE = 0.9
-
-
-def to_messages(messages: Iterable[common_pb2.ChatMessage]) -> list[Message]:
-    out = []
-    for m in messages:
-        d = {"role": m.role, "content": m.content}
-        if m.name:
-            d["name"] = m.name
-        if m.tool_call_id:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
 
 
 def to_proto_messages(env_name: str, messages: list[Message]) -> list[common_pb2.ChatMessage]:
