@@ -34,6 +34,7 @@ BENCHES = {
                                        r["needed_groups_per_s"], r["ratio"], ">= 10", "groups/s")]),
     "reward_throughput": ([], None),
     "async_vs_sync": ([], None),
+    "trl_vs_rlmesh": ([], None),
 }
 
 
@@ -47,6 +48,21 @@ def _rows_async(r: list[dict]) -> list[tuple]:
             base = sum(sync[x["seed"]] for x in runs) / len(runs)
             rows.append((f"async k={k} vs sync k=0 (RL loop time, same steps)", loop, base, base / loop, ">= 1.6", "s"))
     return rows
+
+
+def _rows_trl(r: dict) -> list[tuple]:
+    """Wall time from launch to the target held-out accuracy; ratio = TRL's time / rlmesh's (a lower
+    bound when TRL missed the target within its cap, NaN when rlmesh missed it)."""
+    ours, trl = r["rlmesh"], r["trl"]
+    what = f"time to {r['target']:.2f} held-out acc: rlmesh vs TRL GRPOTrainer ({trl['generation']} generation)"
+    nan = float("nan")
+    if ours["time_to_target_s"] is None:
+        return [(what + "; rlmesh missed the target", nan, trl["time_to_target_s"] or nan, nan, ">= 3", "s")]
+    if trl["time_to_target_s"] is None:
+        bound = trl["final_step_time_s"]
+        return [(what + "; TRL missed it within its cap (ratio is a lower bound)", ours["time_to_target_s"], bound,
+                 bound / ours["time_to_target_s"], ">= 3", "s")]
+    return [(what, ours["time_to_target_s"], trl["time_to_target_s"], r["ratio"], ">= 3", "s")]
 
 
 def _rows_reward(r: dict) -> list[tuple]:
@@ -75,7 +91,8 @@ def main() -> None:
             failures.append(name)
             continue
         result = json.loads(out.read_text())
-        reader = reader or {"async_vs_sync": _rows_async, "reward_throughput": _rows_reward}[name]
+        reader = reader or {"async_vs_sync": _rows_async, "reward_throughput": _rows_reward,
+                             "trl_vs_rlmesh": _rows_trl}[name]
         rows += [(*row, name, time.monotonic() - t0) for row in reader(result)]
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
              f"{platform.python_implementation()} {platform.python_version()}",

