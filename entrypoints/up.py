@@ -119,7 +119,10 @@ def run_up(config: RunConfig, args: argparse.Namespace) -> int:
     def on_signal(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # Explicitly for SIGINT too: a shell starting us in the background leaves SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler of its own.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         return _run(mesh, config, run_dir)
     except KeyboardInterrupt:
