@@ -6,7 +6,7 @@ STAMP := $(VENV)/.rlmesh-setup
 BENCH_STAMP := $(VENV)/.rlmesh-bench
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit demo bench bench-setup proto clean
+.PHONY: setup test test-unit test-containers demo bench bench-setup proto clean images compose-up compose-down
 
 setup: $(STAMP)
 
@@ -25,6 +25,22 @@ test: setup
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# The compose stack in a real Docker engine (installs and starts one if absent; builds the images
+# offline): opt-in, about 15 minutes here. .ci/run runs it after `make test`.
+test-containers: setup
+	$(PY) -m pytest tests/containers --containers $(PYTEST_ARGS)
+
+# docker-compose: engine (installed and started if absent), images built with no registry, the stack
+# up (`COMPOSE_ARGS="--scale rollout=2"`), and where its outputs are; `compose-down` removes it all.
+images: setup
+	PYTHON=$(PY) deploy/docker/stack.sh images
+
+compose-up: setup
+	PYTHON=$(PY) deploy/docker/stack.sh up $(COMPOSE_ARGS)
+
+compose-down:
+	deploy/docker/stack.sh down
 
 demo: setup
 	$(VENV)/bin/rlmesh up -c examples/arithmetic_grpo.yaml

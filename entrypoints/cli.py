@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR", help="run directory (holds checkpoints/step_*)")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     export.add_argument("--output", required=True, help="directory to write the HF model to")
+
+    health = sub.add_parser("health", help="exit 0 when a tier's gRPC health service says SERVING "
+                                           "(container healthchecks)")
+    health.add_argument("address", metavar="HOST:PORT", help="the server to ask, e.g. 127.0.0.1:50052")
+    health.add_argument("--service", default="", help="health service name (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
     return parser
 
 
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return _export(args)
+    if args.command == "health":
+        return _health(args)
     from services.config import ConfigError, load_config
 
     try:
@@ -115,6 +123,20 @@ def main(argv: list[str] | None = None) -> int:
         print(args.output)
         return 0
     raise AssertionError(args.command)
+
+
+def _health(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.grpc_client import wait_for_serving
+
+    try:
+        asyncio.run(wait_for_serving(args.address, what="server", timeout_s=args.timeout, service=args.service))
+    except TimeoutError as err:
+        print(f"rlmesh health: {err}", file=sys.stderr)
+        return 1
+    print(f"rlmesh health: {args.address} SERVING")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -37,8 +37,19 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--containers", action="store_true",
+                     help="run the `containers` tests: the compose stack in a real Docker engine (`make test-containers`)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests run only where CUDA is present (never counted as passed on CPU)."""
+    """`containers` tests run only when asked for (they install and start a Docker engine and build
+    images); `gpu`-marked tests run only where CUDA is present (never counted as passed on CPU)."""
+    if not config.getoption("--containers"):
+        opt_in = pytest.mark.skip(reason="container tests are opt-in: make test-containers (pytest --containers)")
+        for item in items:
+            if "containers" in item.keywords:
+                item.add_marker(opt_in)
     try:
         import torch
 

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The compose stack from a fresh machine: a container engine, images built with no registry, and
+# docker-compose (or `docker compose`) around deploy's files.
+#
+#   deploy/docker/stack.sh engine   # print `export DOCKER_HOST=...`, starting dockerd if none answers
+#   deploy/docker/stack.sh images   # base + Valkey images from Debian packages, wheelhouse, rlmesh:cpu
+#   deploy/docker/stack.sh up       # images, then `compose up -d`, then where the outputs are
+#   deploy/docker/stack.sh down     # stop and remove containers, networks and volumes
+#
+# Environment: RLMESH_DOCKER_DIR (where a dockerd started here keeps its state, default
+# /tmp/rlmesh-docker), PYTHON (the pip that builds the wheelhouse, default .venv/bin/python),
+# COMPOSE_PROJECT_NAME (default rlmesh), and any compose variable (RLMESH_TOKEN, RLMESH_IMAGE...).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+ENGINE_DIR=${RLMESH_DOCKER_DIR:-/tmp/rlmesh-docker}
+PYTHON=${PYTHON:-.venv/bin/python}
+export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-rlmesh}
+BASE_IMAGE=rlmesh/base:bookworm
+VALKEY_IMAGE=rlmesh/valkey:bookworm
+# Debian's client when there is one: the newer client some images ship lacks the buildx plugin.
+DOCKER=docker
+[ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
+
+say() { echo "stack: $*" >&2; }
+
+need_root() {
+  [ "$(id -u)" = 0 ] || { say "$1 needs root (or install it yourself: $2)"; exit 1; }
+}
+
+engine() {
+  if [ -n "${DOCKER_HOST:-}" ] && $DOCKER info >/dev/null 2>&1; then
+    echo "export DOCKER_HOST=$DOCKER_HOST"; return
+  fi
+  if [ -z "${DOCKER_HOST:-}" ] && $DOCKER info >/dev/null 2>&1; then
+    return  # the machine's own engine answers on its default socket
+  fi
+  export DOCKER_HOST="unix://$ENGINE_DIR/docker.sock"
+  if ! $DOCKER info >/dev/null 2>&1; then
+    if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v mmdebstrap >/dev/null; then
+      need_root "installing docker.io, docker-compose and mmdebstrap" "apt-get install docker.io docker-compose mmdebstrap"
+      say "installing the container engine from Debian's packages"
+      apt-get update -qq >&2
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose mmdebstrap >&2
+    fi
+    need_root "starting dockerd" "start dockerd and set DOCKER_HOST"
+    mkdir -p "$ENGINE_DIR"
+    say "starting dockerd (state in $ENGINE_DIR, log $ENGINE_DIR/dockerd.log)"
+    # No systemd here: the daemon runs in the background with its own root, exec root and socket.
+    setsid dockerd --data-root "$ENGINE_DIR/data" --exec-root "$ENGINE_DIR/exec" \
+      -H "$DOCKER_HOST" --pidfile "$ENGINE_DIR/dockerd.pid" >"$ENGINE_DIR/dockerd.log" 2>&1 < /dev/null &
+    for _ in $(seq 60); do $DOCKER info >/dev/null 2>&1 && break; sleep 1; done
+    $DOCKER info >/dev/null 2>&1 || { say "dockerd did not answer in 60 s; see $ENGINE_DIR/dockerd.log"; exit 1; }
+  fi
+  echo "export DOCKER_HOST=$DOCKER_HOST"
+}
+
+has_image() { $DOCKER image inspect "$1" >/dev/null 2>&1; }
+
+# A Debian rootfs from Debian's packages, imported as an image: no registry needed.
+debian_image() {
+  local tag=$1 include=$2; shift 2
+  say "building $tag from Debian packages ($include)"
+  mmdebstrap --quiet --variant=minbase --include="$include" "$@" bookworm - \
+    | $DOCKER import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' - "$tag" >/dev/null
+}
+
+images() {
+  has_image "$BASE_IMAGE" || debian_image "$BASE_IMAGE" python3,python3-venv,python3-dev,libgomp1,libnuma1,g++,ca-certificates
+  # Redis from Debian under Valkey's command names, so the compose file's commands work with both
+  # this image and valkey/valkey. Valkey is a fork of Redis 7.2 and speaks the same protocol.
+  has_image "$VALKEY_IMAGE" || debian_image "$VALKEY_IMAGE" redis-server,redis-tools \
+    --customize-hook='ln -s /usr/bin/redis-server "$1/usr/local/bin/valkey-server"' \
+    --customize-hook='ln -s /usr/bin/redis-cli "$1/usr/local/bin/valkey-cli"' \
+    --customize-hook='mkdir -p "$1/data"'
+  say "wheelhouse: pip download of rlmesh's locked requirements into deploy/docker/wheelhouse"
+  "$PYTHON" -m pip download -q --disable-pip-version-check -d deploy/docker/wheelhouse \
+    ".[train,cpu,envs]" "setuptools>=69" wheel \
+    `# Debian's Python is 3.11.2: redis wants async-timeout below 3.11.3, pip here resolves for the host's` \
+    "async-timeout>=4.0.3" 2>&1 | grep -v -e "is ignored: it is neither" -e BuildBackendWarning >&2 || true
+  say "building ${RLMESH_IMAGE:-rlmesh:cpu} (offline: base $BASE_IMAGE, wheels from the wheelhouse)"
+  DOCKER_BUILDKIT=0 $DOCKER build -q -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    --build-arg OFFLINE=1 -t "${RLMESH_IMAGE:-rlmesh:cpu}" . >&2
+}
+
+compose() {
+  if command -v docker-compose >/dev/null; then docker-compose "$@"; else $DOCKER compose "$@"; fi
+}
+
+up() {
+  export RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE}
+  compose up -d --no-build "$@"
+  cat >&2 <<EOF
+stack: up. Follow it with:
+  $(engine)
+  export RLMESH_VALKEY_IMAGE=$RLMESH_VALKEY_IMAGE
+  docker-compose logs -f learner          # or: docker-compose ps
+stack: the run's outputs (metrics.jsonl, summary.json, reward_curve.png, checkpoints) are in the
+  volume ${COMPOSE_PROJECT_NAME}_rlmesh-data under runs/compose; copy them out with
+  docker cp \$(docker-compose ps -q learner):/data/runs/compose ./compose-run
+EOF
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  engine) engine ;;
+  images) eval "$(engine)"; images ;;
+  up) eval "$(engine)"; images; up "$@" ;;
+  down) eval "$(engine)"; RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE} compose down -v --remove-orphans "$@" ;;
+  *) echo "usage: $0 engine|images|up|down [compose args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,188 @@
+"""The docker-compose stack in a real Docker engine (opt-in: `make test-containers`).
+
+One run of the whole stack from a clean engine state, with two rollout replicas: mid-run the
+rollout and reward containers crash (their main process SIGKILLed from the host, which is what
+the engine's restart policy answers; `docker kill` counts as a manual stop and is not restarted)
+and the Valkey container is restarted. The run must complete, learn, train no group twice, need
+no re-issue of lost queue entries, and end with the rollout weights equal to the learner's; then
+`down` must leave no container, network, volume or process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from learner.metrics import surviving_lineage
+
+pytestmark = pytest.mark.containers
+
+REPO = Path(__file__).resolve().parents[2]
+STACK = REPO / "deploy/docker/stack.sh"
+PROJECT = "rlmesh-test"
+NUM_STEPS, GROUPS_PER_STEP = 24, 16
+DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+
+
+class Stack:
+    """docker-compose around the repo's file, under its own project name and run config."""
+
+    def __init__(self, config_dir: Path) -> None:
+        engine = subprocess.run([str(STACK), "engine"], capture_output=True, text=True, check=True).stdout
+        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "RLMESH_CONFIG_DIR": str(config_dir),
+                    "RLMESH_VALKEY_IMAGE": "rlmesh/valkey:bookworm"}
+        for line in engine.splitlines():
+            if line.startswith("export DOCKER_HOST="):
+                self.env["DOCKER_HOST"] = line.split("=", 1)[1]
+
+    def compose(self, *args: str, timeout: float = 300) -> str:
+        tool = ["docker-compose"] if shutil.which("docker-compose") else [DOCKER, "compose"]
+        out = subprocess.run([*tool, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+        assert out.returncode == 0, f"compose {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+        return out.stdout
+
+    def docker(self, *args: str, check: bool = True, timeout: float = 120) -> str:
+        out = subprocess.run([DOCKER, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        assert not check or out.returncode == 0, f"docker {' '.join(args)} failed:\n{out.stderr}"
+        return out.stdout
+
+    def containers(self, service: str | None = None, every: bool = True) -> list[str]:
+        filters = ["--filter", f"label=com.docker.compose.project={PROJECT}"]
+        if service:
+            filters += ["--filter", f"label=com.docker.compose.service={service}"]
+        return self.docker("ps", "-q", *(["-a"] if every else []), *filters).split()
+
+    def inspect(self, container: str, fmt: str) -> str:
+        return self.docker("inspect", "-f", fmt, container).strip()
+
+    def crash(self, container: str) -> None:
+        """SIGKILL the container's main process from the host, as the OOM killer would."""
+        os.kill(int(self.inspect(container, "{{.State.Pid}}")), signal.SIGKILL)
+
+    def train_rows(self, learner: str) -> list[dict]:
+        out = self.docker("exec", learner, "cat", "/data/runs/compose/metrics.jsonl", check=False)
+        return [r for r in map(json.loads, out.splitlines()) if r.get("kind") == "train"]
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "40")[-8000:]
+
+
+def _processes_in(container_ids: set[str]) -> list[int]:
+    """Host processes still inside any of these containers' cgroups."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cgroup = (proc / "cgroup").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if any(cid in cgroup for cid in container_ids):
+            left.append(int(proc.name))
+    return left
+
+
+def _wait(predicate, timeout: float, what: str, stack: Stack) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{stack.logs()}"
+        time.sleep(2.0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Build the images, bring the stack up clean, inject the faults, wait for the learner to finish;
+    yields what the tests check. `down` happens here and its leftovers are returned too."""
+    subprocess.run([str(STACK), "images"], check=True, timeout=1800)
+    config_dir = tmp_path_factory.mktemp("config")
+    config = yaml.safe_load((REPO / "deploy/compose.rlmesh.yaml").read_text())
+    config["learner"].update(num_steps=NUM_STEPS, groups_per_step=GROUPS_PER_STEP, eval_every=0, min_generators=2)
+    config["checkpoint"]["every_n_steps"] = 8
+    (config_dir / "compose.rlmesh.yaml").write_text(yaml.safe_dump(config))
+    stack = Stack(config_dir)
+    stack.compose("down", "-v", "--remove-orphans")
+    assert stack.containers() == [], "leftover containers from an earlier run"
+
+    events: dict = {}
+    ids: set[str] = set()
+    try:
+        stack.compose("up", "-d", "--no-build", "--scale", "rollout=2", timeout=900)
+        learner = stack.containers("learner")[0]
+        _wait(lambda: len(stack.train_rows(learner)) >= 4, 900, "four training steps", stack)
+        rollout, reward = stack.containers("rollout", every=False)[0], stack.containers("reward")[0]
+        for name, container in (("rollout", rollout), ("reward", reward)):
+            stack.crash(container)
+            events[f"{name}_crashed_at_step"] = len(stack.train_rows(learner))
+        _wait(lambda: all(int(stack.inspect(c, "{{.RestartCount}}")) >= 1 and
+                          stack.inspect(c, "{{.State.Running}}") == "true" for c in (rollout, reward)),
+              120, "the crashed containers to be restarted", stack)
+        events["restarts"] = {c: int(stack.inspect(c, "{{.RestartCount}}")) for c in (rollout, reward)}
+        _wait(lambda: len(stack.train_rows(learner)) >= NUM_STEPS // 2, 900, "half the run", stack)
+        valkey = stack.containers("valkey")[0]
+        stack.docker("restart", valkey)
+        events["valkey_restarted_at_step"] = len(stack.train_rows(learner))
+        _wait(lambda: stack.inspect(learner, "{{.State.Status}}") == "exited", 1200, "the learner to finish", stack)
+        events["learner_exit_code"] = int(stack.inspect(learner, "{{.State.ExitCode}}"))
+        events["rollout_replicas"] = len(stack.containers("rollout"))
+        ids = {stack.inspect(c, "{{.Id}}") for c in stack.containers()}
+        out_dir = tmp_path_factory.mktemp("out")
+        stack.docker("cp", f"{learner}:/data/runs/compose", str(out_dir / "run"))
+        events["run_dir"] = out_dir / "run"
+        events["logs"] = stack.logs()
+    finally:
+        stack.compose("down", "-v", "--remove-orphans")
+    label = f"label=com.docker.compose.project={PROJECT}"
+    events["left"] = {
+        "containers": stack.containers(),
+        "networks": stack.docker("network", "ls", "-q", "--filter", label).split(),
+        "volumes": stack.docker("volume", "ls", "-q", "--filter", label).split(),
+        "processes": _processes_in(ids),
+    }
+    return events
+
+
+def test_the_stack_runs_two_rollout_replicas_and_learns(run):
+    assert run["learner_exit_code"] == 0, run["logs"]
+    assert run["rollout_replicas"] == 2
+    rows = [json.loads(line) for line in (run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["version"] for r in train] == list(range(1, NUM_STEPS + 1))
+    first, last = train[:6], train[-6:]
+    reward_first = sum(r["reward_mean"] for r in first) / len(first)
+    reward_last = sum(r["reward_mean"] for r in last) / len(last)
+    print(f"containers: train reward {reward_first:.3f} -> {reward_last:.3f}")
+    assert reward_last > reward_first + 0.1, f"reward did not rise: {reward_first:.3f} -> {reward_last:.3f}"
+    summary = json.loads((run["run_dir"] / "summary.json").read_text())
+    assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
+    producers = {gid for r in train for gid in r["groups_by_generator"]}
+    assert len(producers) >= 2, f"both replicas generated trained groups: {producers}"
+    assert train[-1]["num_generators"] == 2, "the last broadcast reached both replicas"
+    print(f"containers: producers {sorted(producers)}; "
+          f"events {json.dumps({k: v for k, v in run.items() if k not in ('logs', 'run_dir')}, default=str)}")
+
+
+def test_crashed_rollout_and_reward_containers_come_back_and_no_group_is_trained_twice(run):
+    assert all(count >= 1 for count in run["restarts"].values()), run["restarts"]
+    assert run["rollout_crashed_at_step"] < NUM_STEPS, "the crash must land mid-run"
+    rows = [json.loads(line) for line in (run["run_dir"] / "trained_groups.jsonl").read_text().splitlines()]
+    lineage = surviving_lineage(rows)
+    trained = [g for r in lineage for g in r["group_ids"]]
+    assert [r["version"] for r in lineage] == list(range(1, NUM_STEPS + 1))
+    assert len(trained) == len(set(trained)) == NUM_STEPS * GROUPS_PER_STEP, "a group was trained twice"
+
+
+def test_a_restarted_valkey_keeps_every_group(run):
+    assert run["valkey_restarted_at_step"] < NUM_STEPS, "the restart must land mid-run"
+    summary = json.loads((run["run_dir"] / "summary.json").read_text())
+    # An empty Valkey after the restart would have been noticed and its groups issued again.
+    assert summary.get("num_reissued_after_queue_loss", 0) == 0
+    assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
+
+
+def test_down_leaves_no_container_network_volume_or_process(run):
+    assert run["left"] == {"containers": [], "networks": [], "volumes": [], "processes": []}
