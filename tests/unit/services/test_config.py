@@ -99,3 +99,8 @@ def test_a_service_alone_with_the_embedded_queue_names_queue_url():
         connect("embedded")
     with pytest.raises(ValueError, match="queue.url='localhost:6379' is not a redis://"):
         connect("localhost:6379")
+
+
+def test_an_undialable_weight_store_address_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="not an address rollout servers can dial.*Service name"):
+        load_config(None, ["weight_sync.master_address=0.0.0.0"])
