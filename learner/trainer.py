@@ -17,6 +17,7 @@ import torch
 from learner.backends import build_backend
 from learner.distributed import CommandChannel, init_distributed
 from learner.objectives.base import Objective, build_objective, run_step
+from services.affinity import pin_to_cores
 
 if TYPE_CHECKING:
     from learner.batch import Sequence
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, config: RunConfig, model_path: str, objective: str = "grpo", *, lr: float | None = None,
                  pad_id: int = 0) -> None:
+        pin_to_cores(config.learner.cpu_cores, "learner.cpu_cores")
         torch.set_num_threads(config.learner.torch_threads)
         self.rank, self.world_size = init_distributed()
         self.config, self.pad_id = config, pad_id

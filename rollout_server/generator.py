@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlmesh.v1 import common_pb2
+from services.affinity import pin_to_cores
 
 if TYPE_CHECKING:
     from services.config import RolloutSection
@@ -36,6 +37,9 @@ def configure_vllm_env(cfg: RolloutSection) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.cpu_cores)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The whole server, not only the worker's OpenMP threads: vLLM's engine-core and front-end
+    # processes would otherwise take turns with the learner on its cores.
+    pin_to_cores(cfg.cpu_cores, "rollout.cpu_cores")
 
 
 class VLLMGenerator:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -249,6 +249,13 @@ class LearnerSection(Section):
     """Evaluate on held-out prompts every N steps (0: only before and after)."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the learner process."""
+    cpu_cores: str = Field("auto", pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")
+    """Cores the learner's processes are pinned to, e.g. '1' or '1-3,6' ('auto': not pinned). On a small machine, give vLLM (rollout.cpu_cores) and the learner different cores so generation and training overlap instead of sharing cores."""
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _core_list_as_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, int) else value  # `learner.cpu_cores=1` parses as YAML int
     min_generators: int = Field(1, ge=1)
     """Rollout servers that must have registered before the learner issues work."""
 

@@ -74,10 +74,12 @@ images() {
     --customize-hook='ln -s /usr/bin/redis-cli "$1/usr/local/bin/valkey-cli"' \
     --customize-hook='mkdir -p "$1/data"'
   say "wheelhouse: pip download of rlmesh's locked requirements into deploy/docker/wheelhouse"
-  "$PYTHON" -m pip download -q --disable-pip-version-check -d deploy/docker/wheelhouse \
-    ".[train,cpu,envs]" "setuptools>=69" wheel \
-    `# Debian's Python is 3.11.2: redis wants async-timeout below 3.11.3, pip here resolves for the host's` \
-    "async-timeout>=4.0.3" 2>&1 | grep -v -e "is ignored: it is neither" -e BuildBackendWarning >&2 || true
+  local log="${TMPDIR:-/tmp}/rlmesh-wheelhouse.log"  # not in the build context: it would bust the cache
+  # Debian's Python is 3.11.2: redis wants async-timeout below 3.11.3; pip here resolves for the host's.
+  if ! PYTHONWARNINGS=ignore "$PYTHON" -m pip download -q --disable-pip-version-check -d deploy/docker/wheelhouse \
+      ".[train,cpu,envs]" "setuptools>=69" wheel "async-timeout>=4.0.3" >"$log" 2>&1; then
+    cat "$log" >&2; say "pip download failed (log above, also in $log)"; exit 1
+  fi
   say "building ${RLMESH_IMAGE:-rlmesh:cpu} (offline: base $BASE_IMAGE, wheels from the wheelhouse)"
   DOCKER_BUILDKIT=0 $DOCKER build -q -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-arg OFFLINE=1 -t "${RLMESH_IMAGE:-rlmesh:cpu}" . >&2

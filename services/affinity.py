@@ -1,0 +1,30 @@
+"""CPU pinning for the tiers that share a small machine: the learner on some cores, vLLM on others,
+so that generation and training overlap instead of taking turns on the same cores."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def parse_cores(spec: str) -> set[int]:
+    """'1-3,6' -> {1, 2, 3, 6}."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def pin_to_cores(spec: str, setting: str) -> None:
+    """Pin this process, and every thread and child it starts later, to the cores in `spec`;
+    'auto' leaves it alone. `setting` names the config field in errors."""
+    if spec == "auto":
+        return
+    cores, available = parse_cores(spec), os.sched_getaffinity(0)
+    if not cores <= available:
+        raise ValueError(f"{setting}={spec!r} names cores this process cannot use; available: {sorted(available)}")
+    os.sched_setaffinity(0, cores)
+    log.info("%s: pinned to cores %s", setting, sorted(cores))
