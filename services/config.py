@@ -178,6 +178,23 @@ class McpEnvironmentSection(Section):
     """Deadline of one MCP call (opening a session, tools/list, tools/call)."""
 
 
+class OpenEnvEnvironmentSection(Section):
+    url: str
+    """Base URL of the OpenEnv environment server, e.g. http://127.0.0.1:8000 (its WebSocket /ws is used)."""
+    action_field: str = "message"
+    """Action field the model's message text fills (e.g. `message`, `code`)."""
+    action: str | None = None
+    """`module:function(text, metadata) -> dict` building the action instead of `action_field`."""
+    observation_field: str | None = None
+    """Observation field shown to the model; default: the observation itself when its only field is text, else the observation as JSON."""
+    reset_keys: list[str] = ["seed"]
+    """Dataset metadata keys passed to the server's reset as keyword arguments when present."""
+    max_turns: int = Field(8, ge=1)
+    """Model turns before the episode ends (the server's done ends it sooner)."""
+    call_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one call to the server (connect + reset, one step)."""
+
+
 class RewardSection(Section):
     functions: dict[str, str] = {}
     """Extra single-turn environments: name -> `module:function(prompt, completion, metadata)`."""
@@ -195,6 +212,8 @@ class RewardSection(Section):
     """Names this reward-server replica in session ids (e.g. the pod name); random per start when unset."""
     mcp: dict[str, McpEnvironmentSection] = {}
     """MCP tool servers served as multi-turn tool-use environments: name -> url, scoring function, budgets."""
+    openenv: dict[str, OpenEnvEnvironmentSection] = {}
+    """OpenEnv environment servers served as multi-turn environments: name -> url, action/observation mapping, budgets."""
     env_processes: list[str] = []
     """Environments `rlmesh up` serves from a reward-server process of their own (own crash domain and CPU), proxied by the main reward server under the same name like any remote environment."""
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
 from reward_server.environments.function import load_callable
+from reward_server.environments.loop_thread import LoopThread
 from reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
 
 _INT = re.compile(r"-?\d+")
@@ -105,20 +105,7 @@ class McpToolEnvironment:
         self.description = f"MCP tool server at {url}"
         self._score = load_callable(score) if score else exact_answer
         self._tools: list[ToolSchema] = []
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name=f"mcp-{name}", daemon=True).start()
-
-    def _run(self, coro_fn, what: str):
-        """Run `coro_fn()` on the event-loop thread; errors name the server."""
-        async def bounded():
-            return await asyncio.wait_for(coro_fn(), self.call_timeout_s)
-
-        try:
-            return asyncio.run_coroutine_threadsafe(bounded(), self._loop).result()
-        except (TimeoutError, asyncio.TimeoutError):
-            raise TimeoutError(f"MCP server {self.url}: {what} took longer than {self.call_timeout_s}s") from None
-        except Exception as err:
-            raise ConnectionError(f"MCP server {self.url}: {what} failed: {type(err).__name__}: {err}") from None
+        self._loop = LoopThread(f"mcp-{name}", f"MCP server {url}", call_timeout_s)
 
     def tools(self) -> list[ToolSchema]:
         return self._tools
@@ -129,7 +116,7 @@ class McpToolEnvironment:
             task = asyncio.get_running_loop().create_task(session.serve())
             return session, task, await session.tools
 
-        session, task, tools = self._run(open_session, "opening a session (tools/list)")
+        session, task, tools = self._loop.run(open_session, "opening a session (tools/list)")
         self._tools = tools
         names = {t["function"]["name"] for t in tools}
         return ResetOutput(McpEpisode(session, task, dict(metadata), list(prompt), tool_names=names))
@@ -164,10 +151,10 @@ class McpToolEnvironment:
         state.num_tool_calls += 1
         if state.task.done():
             raise ConnectionError(f"MCP server {self.url}: the episode's session has ended (the server went away?)")
-        result = self._run(lambda: state.session.call(call.name, call.arguments), f"tools/call {call.name}")
+        result = self._loop.run(lambda: state.session.call(call.name, call.arguments), f"tools/call {call.name}")
         text = "\n".join(getattr(block, "text", str(block)) for block in result.content)
         return {"role": "tool", "name": call.name, "content": f"error: {text}" if result.is_error else text}
 
     def close(self, state: McpEpisode) -> None:
         state.done = True
-        asyncio.run_coroutine_threadsafe(state.session.close(), self._loop)
+        self._loop.submit(state.session.close())

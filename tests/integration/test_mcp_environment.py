@@ -7,10 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -24,9 +21,9 @@ from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.grpc_client import make_channel
 from services.grpc_server import start_server
 from services.ports import free_port
+from tests.integration.env_servers import start_mcp_server
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _call(name: str, **arguments) -> common_pb2.ChatMessage:
@@ -34,25 +31,10 @@ def _call(name: str, **arguments) -> common_pb2.ChatMessage:
     return common_pb2.ChatMessage(role="assistant", content=f"<tool_call>\n{body}\n</tool_call>")
 
 
-def _start_mcp(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.mcp_calculator", str(port)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    import socket
-
-    deadline = time.monotonic() + 60
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        assert proc.poll() is None and time.monotonic() < deadline, "MCP server did not start"
-        time.sleep(0.2)
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def reward():
     port = free_port()
-    mcp = _start_mcp(port)
+    mcp = start_mcp_server(port)
     url = f"http://127.0.0.1:{port}/mcp"
     service = RewardService(builtin=[], env_timeout_s=20)
     service.add_local("mcp_calc", McpToolEnvironment("mcp_calc", url, score=None, max_turns=3, call_timeout_s=5))
