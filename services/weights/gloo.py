@@ -46,12 +46,17 @@ class GlooTransport:
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
         assert self.group is not None, "form_group before send"
-        digest = hashlib.sha256()
+        digest, in_flight = hashlib.sha256(), None
         for flat in flat_buckets(named, metas):
             work = self.group.broadcast(flat, 0)
-            # Hash while gloo's own thread moves the bucket (hashlib releases the GIL; no copy).
+            # Hash while gloo's own thread moves the bucket (hashlib releases the GIL; no copy), and
+            # keep two buckets in flight: the next one is flattened while this one is on the wire.
             digest.update(flat.view(torch.uint8).numpy())
-            work.wait()
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = work
+        if in_flight is not None:
+            in_flight.wait()
         return digest.hexdigest()
 
     def verify(self, epoch: int, version: int, digest: str, ranks: list[int], timeout_s: float) -> str:
@@ -86,11 +91,22 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
 
 def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: hashlib._Hash | None = None
             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive the broadcast bucket by bucket, yielding (name, tensor) views."""
+    """Receive the broadcast bucket by bucket, yielding (name, tensor) views. The next bucket is
+    already being received while the caller loads the tensors of this one."""
+    in_flight = None
     for idx in buckets(metas):
-        dtype = getattr(torch, metas[idx[0]].dtype)
-        flat = torch.empty(sum(metas[i].numel for i in idx), dtype=dtype)
-        group.broadcast(flat, 0).wait()
-        if digest is not None:
-            digest.update(flat.view(torch.uint8).numpy())
-        yield from unflatten(flat, metas, idx)
+        flat = torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype))
+        work = group.broadcast(flat, 0)
+        if in_flight is not None:
+            yield from _received(*in_flight, metas, digest)
+        in_flight = (idx, flat, work)
+    if in_flight is not None:
+        yield from _received(*in_flight, metas, digest)
+
+
+def _received(idx: list[int], flat: torch.Tensor, work, metas: list[TensorMeta], digest: hashlib._Hash | None
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    work.wait()
+    if digest is not None:
+        digest.update(flat.view(torch.uint8).numpy())
+    yield from unflatten(flat, metas, idx)
