@@ -1,7 +1,9 @@
 """Learner-step throughput against a plain PyTorch loop, side by side, on the same model and batch.
 
-baseline: a plain loop over the HF model: per micro-batch a no-grad forward (pi_old), then
-          forward/backward with the same GRPO loss, grad clipping, AdamW step.
+baseline: a plain loop over the HF model: per micro-batch forward/backward with the same GRPO loss
+          (pi_old taken from that forward, as the learner does by default; with
+          `--override algorithm.recompute_old_logprobs=true` both sides run a no-grad forward
+          for it first), grad clipping, AdamW step.
 measured: the learner's real step (`Trainer.step`: GRPO objective -> run_step -> FSDP2 backend),
           one rank, in this process.
 scaling:  the same learner step under torchrun with 2 gloo ranks vs 1 rank (step time ratio).
@@ -82,7 +84,7 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = config_for(model_dir, args.micro_batch_size)
+    cfg = config_for(model_dir, args.micro_batch_size, args.override)
     objective = GRPOObjective(cfg.algorithm, max_tokens=cfg.rollout.max_tokens)
     seqs = objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -94,9 +96,10 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
         return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), m.input_ids_BT[:, 1:], reduction="none")
 
     def step():
-        with torch.no_grad():
-            for m in micros:
-                m.old_logprobs_BT = logprobs(m)
+        if objective.needs_old_logprobs:
+            with torch.no_grad():
+                for m in micros:
+                    m.old_logprobs_BT = logprobs(m)
         opt.zero_grad(set_to_none=True)
         for m in micros:
             loss, _ = objective.loss(logprobs(m), m)
@@ -134,7 +137,8 @@ def parse(argv=None):
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--no-megatron", action="store_true", help="leave out the Megatron-core rows")
     p.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
-    p.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an rlmesh config override for both sides, e.g. algorithm.recompute_old_logprobs=true")
     return p.parse_known_args(argv)[0]
 
 

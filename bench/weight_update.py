@@ -116,13 +116,17 @@ def main() -> None:
         raw_s = sorted(raw)[len(raw) // 2]
         total_s = sorted(m["broadcast_s"] for m in mesh)[len(mesh) // 2]
         send_s = sorted(m["broadcast_send_s"] for m in mesh)[len(mesh) // 2]
+        phases = {k.removeprefix("broadcast_").removesuffix("_s"): sorted(m[k] for m in mesh)[len(mesh) // 2]
+                  for k in mesh[0] if k.startswith("broadcast_") and k.endswith("_s") and k != "broadcast_s"}
         results[size] = {"params": num_params, "mib": mib, "raw_s": raw_s, "update_s": total_s, "send_s": send_s,
-                         "ratio": total_s / raw_s}
+                         "ratio": total_s / raw_s, "phases_s": phases}
         del model, named
     print(f"\n{'model':8s} {'params':>10s} {'MiB':>7s} {'raw bcast s':>12s} {'update s':>9s} {'(send s)':>9s} {'ratio':>6s}")
     for size, r in results.items():
         print(f"{size:8s} {r['params']:>10,d} {r['mib']:7.0f} {r['raw_s']:12.3f} {r['update_s']:9.3f} "
               f"{r['send_s']:9.3f} {r['ratio']:6.2f}")
+    for size, r in results.items():
+        print(f"{size}: median phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in r["phases_s"].items()))
     print("update = new version -> serving it (control RPCs + transfer + load into vLLM + digest check); "
           "target ratio <= 1.25")
     if args.json:

@@ -118,16 +118,24 @@ class WeightBroadcaster:
             await self._rebuild()
         members, epoch, timeout = self.members, self.epoch, self.cfg.timeout_s
         each = lambda make: {g.generator_id: asyncio.ensure_future(make(g)) for g in members}  # noqa: E731
+        phases: dict[str, float] = {}
+        mark = time.monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[f"broadcast_{name}_s"], mark = now - mark, now
 
         await self._gather("PauseGeneration", each(lambda g: g.stub.PauseGeneration(
             rollout_pb2.PauseGenerationRequest(mode="keep"), timeout=timeout)))
+        lap("pause")
         await self._gather("StartWeightUpdate", each(lambda g: g.stub.StartWeightUpdate(
             rollout_pb2.StartWeightUpdateRequest(version=version, group_epoch=epoch), timeout=timeout)))
+        lap("start")
         metas = source.metas()
         specs = [rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas]
         updates = each(lambda g: g.stub.UpdateWeights(
             rollout_pb2.UpdateWeightsRequest(version=version, group_epoch=epoch, tensors=specs), timeout=timeout))
-        t_send = time.monotonic()
         try:
             digest = await self.run_torch(lambda: self.transport.send(source.stream(), metas))
         except Exception as err:
@@ -135,14 +143,18 @@ class WeightBroadcaster:
             await self._gather("UpdateWeights", updates)
             self.formed = False
             raise BroadcastError(f"{self.cfg.backend} send failed: {err}") from err
-        send_s = time.monotonic() - t_send
+        lap("send")
         await self._gather("UpdateWeights", updates)
+        lap("load")  # receivers still loading the last bucket after the sender is done
         await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
             rollout_pb2.FinishWeightUpdateRequest(version=version, group_epoch=epoch), timeout=timeout)))
+        lap("finish")
         ranks = [r for g in members for r in range(g.rank_offset, g.rank_offset + g.num_workers)]
         mismatch = await asyncio.to_thread(self.transport.verify, epoch, version, digest, ranks, timeout)
+        lap("verify")
         await self._gather("ResumeGeneration", each(lambda g: g.stub.ResumeGeneration(
             rollout_pb2.ResumeGenerationRequest(), timeout=timeout)))
+        lap("resume")
         if mismatch:
             raise RuntimeError(mismatch)  # a corrupted transfer is a bug, not a retryable fault
         self.sent_versions.append(version)
@@ -151,6 +163,6 @@ class WeightBroadcaster:
             self.last_digest = digest
         for g in members:
             g.version = version
-        return {"broadcast_s": time.monotonic() - t0, "broadcast_send_s": send_s,
+        return {"broadcast_s": time.monotonic() - t0, **phases,
                 "broadcast_mb": sum(m.nbytes for m in metas) / 2**20, "num_generators": float(len(members)),
                 "weights_verified": float(self.transport.verifies)}

@@ -295,6 +295,9 @@ class Controller:
             t_last = time.monotonic()
             every = cfg.checkpoint.every_n_steps
             if every and self.version % every == 0 and self.version < cfg.learner.num_steps:
+                # Top the prompt stream up first (the new version is already broadcast), so the
+                # rollout tier generates the next batch while the checkpoint is written.
+                await self.issuer.issue_train(len(ready), self.version)
                 await self._checkpoint()
             if cfg.learner.eval_every and self.version % cfg.learner.eval_every == 0 and self.version < cfg.learner.num_steps:
                 await self.evaluate()

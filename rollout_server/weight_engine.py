@@ -89,8 +89,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
         metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
         digest = hashlib.sha256() if update_info.verify else None
-        for name, tensor in receive(self._group, metas, digest):
-            self.model.load_weights([(name, tensor)])
+        # One load_weights call over the whole stream (it takes any iterable): the next bucket is
+        # received while this one's tensors are copied in, without a per-tensor call overhead.
+        self.model.load_weights(receive(self._group, metas, digest))
         if digest is not None:
             self._store.set(digest_key(self._epoch, update_info.version, self._rank), digest.hexdigest())
 

@@ -305,6 +305,8 @@ class AlgorithmSection(Section):
     """Truncated importance sampling cap on pi_old / pi_behaviour."""
     drop_zero_advantage_groups: bool = False
     """Skip groups whose rewards are all equal (DAPO dynamic sampling)."""
+    recompute_old_logprobs: bool = False
+    """pi_old (the PPO ratio's denominator, the TIS weight's numerator) from a separate no-grad forward before the step (true), or from the training forward itself, detached (false): the same values while each batch gets exactly one optimizer step, as here, for one forward less per step. Set true for a model with dropout."""
 
 
 class QueueSection(Section):

@@ -1,7 +1,8 @@
 """Clipped policy-gradient loss with off-policy correction against the behaviour (vLLM) logprobs.
 
 Three policies meet here: pi_behaviour (what vLLM sampled with, possibly several versions old),
-pi_old (the learner's weights at the start of this step, recomputed) and pi_theta (being trained).
+pi_old (the learner's weights at the start of this step: recomputed by a no-grad forward, or the
+training forward's own logprobs, detached) and pi_theta (being trained).
 The PPO ratio pi_theta / pi_old is clipped as usual; the truncated importance weight
 min(pi_old / pi_behaviour, tis_cap) corrects for staleness and train/inference mismatch (TIS)."""
 
@@ -21,12 +22,17 @@ class LossConfig:
     clip_high: float
     tis_cap: float
     max_tokens: int
+    old_from_forward: bool = False
+    """pi_old = this forward's logprobs, detached, where none were recomputed (exact while a batch
+    gets one optimizer step: every micro-batch's forward runs on the weights the step started from)."""
 
 
 def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     mask_BT = micro.loss_mask_BT
     old_BT = micro.old_logprobs_BT
-    assert old_BT is not None, "old logprobs must be recomputed before the step"
+    if old_BT is None:
+        assert cfg.old_from_forward, "old logprobs must be recomputed before the step"
+        old_BT = logprobs_BT.detach()
     adv_B1 = micro.advantages_B[:, None]
 
     log_ratio_BT = (logprobs_BT - old_BT) * mask_BT

@@ -17,11 +17,12 @@ if TYPE_CHECKING:
 
 
 class GRPOObjective:
-    needs_old_logprobs = True
-
     def __init__(self, cfg: AlgorithmSection, *, max_tokens: int) -> None:
         self.name = cfg.name
-        self.cfg = LossConfig(cfg.name, cfg.clip_low, cfg.clip_high, cfg.tis_cap, max_tokens)
+        # Without the recompute, the loss takes pi_old from the training forward (detached).
+        self.needs_old_logprobs = cfg.recompute_old_logprobs
+        self.cfg = LossConfig(cfg.name, cfg.clip_low, cfg.clip_high, cfg.tis_cap, max_tokens,
+                              old_from_forward=not cfg.recompute_old_logprobs)
 
     def sequences(self, groups: list[common_pb2.TrajectoryGroup]) -> list[Sequence]:
         """One sequence per valid sample, its advantage computed within its group."""
