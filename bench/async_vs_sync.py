@@ -2,8 +2,9 @@
 `rlmesh up`, with max_staleness = 0 (synchronous, on-policy), 1, 2 and 4.
 
 For each run: RL loop time (first to last training step), time from the first step to the first
-held-out evaluation at or above --target, final held-out accuracy, and the learner's idle fraction
-(loop time not spent in its training step or weight broadcast). Prints the speed-up of each k
+held-out evaluation at or above --target, final held-out accuracy, the learner's idle fraction
+(loop time not spent in its training step or weight broadcast) and each rollout server's (time its
+vLLM engine had no request in flight, or was paused for a weight update). Prints the speed-up of each k
 over k=0 at equal step count. Run: python bench/async_vs_sync.py [--ks 0,1,2,4 --seeds 0 --steps 60]"""
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ def run(k: int, seed: int, steps: int, eval_every: int, extra: list[str], out: P
     start, end = train[0]["time"] - train[0]["step_s"], train[-1]["time"]
     loop_s = end - start
     busy = sum(r["train_s"] + r.get("broadcast_s", 0.0) for r in train)
+    # Each rollout server's engine-busy clock, read at every weight update: its idle fraction over
+    # the same span (first to last step record).
+    first, last = train[0].get("rollout_busy_s", {}), train[-1].get("rollout_busy_s", {})
+    span = train[-1]["time"] - train[0]["time"]
+    rollout_idle = {gid: max(0.0, 1 - (last[gid] - first[gid]) / span) for gid in last if gid in first and span > 0}
     return {"k": k, "seed": seed, "loop_s": loop_s, "evals": [(r["time"] - start, r["accuracy"]) for r in evals],
             "final_accuracy": evals[-1]["accuracy"], "first_accuracy": evals[0]["accuracy"],
-            "learner_idle_frac": max(0.0, 1 - busy / loop_s),
+            "learner_idle_frac": max(0.0, 1 - busy / loop_s), "rollout_idle_frac": rollout_idle,
             "median_train_s": statistics.median(r["train_s"] for r in train),
             "median_step_s": statistics.median(r["step_s"] for r in train)}
 
@@ -60,12 +66,13 @@ def main() -> None:
         hit = [t for t, acc in r["evals"] if acc >= args.target]
         r["time_to_target_s"] = hit[0] if hit else None
     print(f"\n{'k':>2} {'seed':>4} {'loop s':>7} {'to target s':>11} {'acc first->final':>16} {'learner idle':>12} "
-          f"{'step s':>7} {'train s':>7}")
+          f"{'step s':>7} {'train s':>7} {'rollout idle':>12}")
     for r in results:
         ttt = f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None else "never"
         print(f"{r['k']:>2} {r['seed']:>4} {r['loop_s']:7.1f} {ttt:>11} {r['first_accuracy']:7.2f} -> "
               f"{r['final_accuracy']:.2f} {r['learner_idle_frac']:12.2f} {r['median_step_s']:7.2f} "
-              f"{r['median_train_s']:7.2f}")
+              f"{r['median_train_s']:7.2f} "
+              f"{' '.join(f'{v:.2f}' for v in r['rollout_idle_frac'].values()) or '-':>12}")
     sync = {r["seed"]: r["loop_s"] for r in results if r["k"] == 0}
     for k in sorted({r["k"] for r in results if r["k"] != 0}):
         ratios = [sync[r["seed"]] / r["loop_s"] for r in results if r["k"] == k and r["seed"] in sync]

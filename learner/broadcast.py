@@ -58,7 +58,8 @@ class WeightBroadcaster:
         self.sent_versions: list[int] = []
         self.last_digest = ""
 
-    async def _gather(self, what: str, calls: dict[str, asyncio.Future]) -> None:
+    async def _gather(self, what: str, calls: dict[str, asyncio.Future]) -> dict[str, Any]:
+        """Every call's reply by generator id; a failed call drops its generator and raises."""
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
         failed = {gid: r for gid, r in zip(calls, results) if isinstance(r, BaseException)}
         if failed:
@@ -67,6 +68,7 @@ class WeightBroadcaster:
                 self.membership.remove(gid, f"{what} failed ({detail})")
             self.formed = False
             raise BroadcastError(f"{what} failed on {', '.join(failed)}")
+        return dict(zip(calls, results))
 
     async def _rebuild(self) -> None:
         self.membership.expire()
@@ -146,9 +148,11 @@ class WeightBroadcaster:
         lap("send")
         await self._gather("UpdateWeights", updates)
         lap("load")  # receivers still loading the last bucket after the sender is done
-        await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
+        finished = await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
             rollout_pb2.FinishWeightUpdateRequest(version=version, group_epoch=epoch), timeout=timeout)))
         lap("finish")
+        for g in members:
+            g.busy_seconds = finished[g.generator_id].busy_seconds
         ranks = [r for g in members for r in range(g.rank_offset, g.rank_offset + g.num_workers)]
         mismatch = await asyncio.to_thread(self.transport.verify, epoch, version, digest, ranks, timeout)
         lap("verify")

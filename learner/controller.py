@@ -320,6 +320,8 @@ class Controller:
             "num_duplicates": a.num_duplicates, "in_flight": self.issuer.in_flight,
             "num_ranks": self.trainer.world_size, **train_metrics, **bc,
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
+            # Each rollout server's cumulative engine-busy seconds (for its idle fraction over a span).
+            "rollout_busy_s": {g.generator_id: g.busy_seconds for g in self.membership.generators.values()},
             "num_failed_samples": sum(1 for g in groups for s in g.samples if s.error),
             **episode_stats(samples),
         }

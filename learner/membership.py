@@ -26,6 +26,7 @@ class Generator:
     last_seen: float = field(default_factory=time.monotonic)
     in_group: bool = False
     rank_offset: int = 0
+    busy_seconds: float = 0.0  # the generator's engine-busy clock, as of the last weight update
 
 
 class Membership:

@@ -42,6 +42,39 @@ def configure_vllm_env(cfg: RolloutSection) -> None:
     pin_to_cores(cfg.cpu_cores, "rollout.cpu_cores")
 
 
+class BusyClock:
+    """Wall time the engine had work: at least one request in flight and generation not paused
+    (the rollout side of the idle fractions the async-vs-sync benchmark reports)."""
+
+    def __init__(self) -> None:
+        self.active, self.paused = 0, False
+        self._since: float | None = None
+        self._total = 0.0
+
+    def _update(self) -> None:
+        busy, now = self.active > 0 and not self.paused, time.monotonic()
+        if busy and self._since is None:
+            self._since = now
+        elif not busy and self._since is not None:
+            self._total, self._since = self._total + now - self._since, None
+
+    def enter(self) -> None:
+        self.active += 1
+        self._update()
+
+    def exit(self) -> None:
+        self.active -= 1
+        self._update()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self._update()
+
+    @property
+    def seconds(self) -> float:
+        return self._total + (time.monotonic() - self._since if self._since is not None else 0.0)
+
+
 class VLLMGenerator:
     def __init__(self, model_path: str, cfg: RolloutSection, seed: int, weight_backend: str) -> None:
         self.model_path, self.cfg, self.seed, self.weight_backend = model_path, cfg, seed, weight_backend
@@ -50,6 +83,7 @@ class VLLMGenerator:
         self.paused = False
         self.update_active = False
         self.num_generated_tokens = 0
+        self.busy = BusyClock()
         self.engine = None
         self.tokenizer = None
 
@@ -115,8 +149,12 @@ class VLLMGenerator:
         returned them, their logprobs, and the policy versions they were sampled under."""
         min_version = self.version
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
-            final = out
+        self.busy.enter()
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+                final = out
+        finally:
+            self.busy.exit()
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs or [])]
@@ -201,10 +239,12 @@ class VLLMGenerator:
         else:
             await self.engine.pause_generation(mode=mode, clear_cache=False)
         self.paused = True
+        self.busy.set_paused(True)
 
     async def resume(self) -> None:
         await self.engine.resume_generation()
         self.paused = False
+        self.busy.set_paused(False)
 
     def shutdown(self) -> None:
         if self.engine is not None:

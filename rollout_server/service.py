@@ -86,7 +86,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             self.weights_sha256 = await asyncio.to_thread(self._received_digest, request.version)
         if self.on_weights is not None:
             self.on_weights(request.version)
-        return rollout_pb2.FinishWeightUpdateResponse(weights_sha256=self.weights_sha256)
+        return rollout_pb2.FinishWeightUpdateResponse(weights_sha256=self.weights_sha256,
+                                                      busy_seconds=self.generator.busy.seconds)
 
     def _received_digest(self, version: int) -> str:
         """The digest the worker published for the bytes it received (read from the learner's store)."""
@@ -120,4 +121,5 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             num_inflight_groups=w.num_inflight if w else 0, num_completed_groups=w.num_completed if w else 0,
             num_generated_tokens=self.generator.num_generated_tokens, group_epoch=self.generator.group_epoch,
             weights_sha256=self.weights_sha256 if request.include_weights_hash else "",
+            busy_seconds=self.generator.busy.seconds,
         )

@@ -90,10 +90,12 @@ class FinishWeightUpdateRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ...) -> None: ...
 
 class FinishWeightUpdateResponse(_message.Message):
-    __slots__ = ("weights_sha256",)
+    __slots__ = ("weights_sha256", "busy_seconds")
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     weights_sha256: str
-    def __init__(self, weights_sha256: _Optional[str] = ...) -> None: ...
+    busy_seconds: float
+    def __init__(self, weights_sha256: _Optional[str] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode",)
@@ -120,7 +122,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self, include_weights_hash: _Optional[bool] = ...) -> None: ...
 
 class RolloutStatusResponse(_message.Message):
-    __slots__ = ("generator_id", "version", "paused", "num_inflight_groups", "num_generated_tokens", "num_completed_groups", "weights_sha256", "group_epoch")
+    __slots__ = ("generator_id", "version", "paused", "num_inflight_groups", "num_generated_tokens", "num_completed_groups", "weights_sha256", "group_epoch", "busy_seconds")
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class RolloutStatusResponse(_message.Message):
     NUM_COMPLETED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     generator_id: str
     version: int
     paused: bool
@@ -137,4 +140,5 @@ class RolloutStatusResponse(_message.Message):
     num_completed_groups: int
     weights_sha256: str
     group_epoch: int
-    def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., paused: _Optional[bool] = ..., num_inflight_groups: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_completed_groups: _Optional[int] = ..., weights_sha256: _Optional[str] = ..., group_epoch: _Optional[int] = ...) -> None: ...
+    busy_seconds: float
+    def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., paused: _Optional[bool] = ..., num_inflight_groups: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_completed_groups: _Optional[int] = ..., weights_sha256: _Optional[str] = ..., group_epoch: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
