@@ -4,6 +4,7 @@ logprobs and the policy versions each sample spans, and applies in-place weight 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -247,5 +248,10 @@ class VLLMGenerator:
         self.busy.set_paused(False)
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+            # Let AsyncLLM.__del__ run now, while its module is whole: left to interpreter exit it
+            # prints "Exception ignored ... 'NoneType' object is not callable" into the log.
+            del engine
+            gc.collect()

@@ -100,9 +100,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._store = None
 
 
+class _RotaryCacheReloadFilter(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" at every update: the
+    rotary cos/sin cache is a buffer no checkpoint carries, and vLLM puts it back as it was (which is
+    right). Only that line is dropped; the same warning for any other layer still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
 def register() -> None:
     """vLLM general-plugin hook (runs once per process; registering twice is harmless)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryCacheReloadFilter) for f in layerwise.filters):
+        layerwise.addFilter(_RotaryCacheReloadFilter())
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, GlooWeightTransferEngine)
