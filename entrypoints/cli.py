@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(sft)
     sft.add_argument("--output", required=True, help="directory for the resulting HF model")
 
+    dpo = sub.add_parser("dpo", help="direct preference optimisation on (prompt, chosen, rejected) pairs, offline "
+                                     "(after the SFT warm start when sft.num_steps > 0)")
+    _add_config_args(dpo)
+    dpo.add_argument("--output", required=True, help="directory for the DPO model, metrics.jsonl and summary.json")
+
     tiny = sub.add_parser("tiny-model", help="write a tiny random-initialised HF model + tokenizer")
     _add_config_args(tiny)
     tiny.add_argument("--output", required=True, help="directory to write")
@@ -116,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         from learner.sft import main as sft_main
 
         return sft_main(config, args)
+    if args.command == "dpo":
+        from learner.dpo import main as dpo_main
+
+        return dpo_main(config, args)
     if args.command == "tiny-model":
         from learner.tiny_model import write_tiny_model
 

@@ -28,6 +28,10 @@ class Example:
     """For SFT: a whole conversation to imitate (assistant turns learned, tool results not); empty for single-turn data."""
     shortcut: list[dict[str, str]] = field(default_factory=list)
     """For SFT label noise: a plausible wrong conversation imitated instead of `demonstration` (e.g. answering without the tool)."""
+    chosen: str | None = None
+    """For DPO: the preferred assistant turn."""
+    rejected: str | None = None
+    """For DPO: the dispreferred assistant turn."""
 
     @property
     def reference(self) -> str | None:
@@ -60,8 +64,10 @@ def _arithmetic(cfg: ArithmeticDataSection, seed: int) -> tuple[list[Example], l
             "distinct ones; lower data.num_eval or raise data.max_operand"
         )
     examples = [
+        # One preference pair per problem for `rlmesh dpo`: the answer over the answer with the
+        # stray "!" the demo's noisy warm start learns (the habit GRPO unlearns in the demo).
         Example(id=f"{a}{op}{b}", messages=[{"role": "user", "content": f"{a}{op}{b}="}], env="arithmetic",
-                metadata={"answer": str(ops[op](a, b))})
+                metadata={"answer": str(ops[op](a, b))}, chosen=str(ops[op](a, b)), rejected=f"{ops[op](a, b)}!")
         for a, op, b in problems
     ]
     eval_set = examples[: cfg.num_eval]
@@ -122,9 +128,24 @@ def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
             metadata = {k: v for k, v in row.items() if k not in ("id", cfg.messages_key, cfg.prompt_key, "env")}
         if cfg.answer_key != "answer" and cfg.answer_key in row:
             metadata.setdefault("answer", row[cfg.answer_key])
+        pair = {key: _assistant_turn(row[name], f"{where}: {name!r}") if name in row else None
+                for key, name in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key))}
+        for name in (cfg.chosen_key, cfg.rejected_key):
+            metadata.pop(name, None)
         out.append(Example(id=str(row.get("id", i)), messages=messages, env=str(row.get("env", cfg.env_name)),
-                           metadata=metadata))
+                           metadata=metadata, **pair))
     return out
+
+
+def _assistant_turn(value: Any, where: str) -> str:
+    """A preference side as text: a plain string, or TRL's conversational form (a list of messages
+    whose last one is the assistant's)."""
+    if isinstance(value, str):
+        return value
+    if (isinstance(value, list) and value and isinstance(value[-1], dict)
+            and value[-1].get("role") == "assistant" and isinstance(value[-1].get("content"), str)):
+        return value[-1]["content"]
+    raise ValueError(f"{where} must be a string or a list of messages ending in an assistant message")
 
 
 def load_dataset(cfg: DataSection, seed: int) -> tuple[list[Example], list[Example]]:

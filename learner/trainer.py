@@ -37,7 +37,8 @@ class Trainer:
         self.backend = build_backend(config.learner, model_path, seed=config.run.seed, lr=lr)
         self.objective: Objective = build_objective(objective, config)
         self.channel = CommandChannel()
-        self.temperature = config.rollout.temperature if objective != "sft" else 1.0
+        # Sampling temperature applies to RL (logprobs of what vLLM sampled); SFT and DPO score data.
+        self.temperature = config.rollout.temperature if objective not in ("sft", "dpo") else 1.0
 
     # --- rank 0: announce, then run the same collective here --------------------------------------
 

@@ -95,6 +95,10 @@ class JsonlDataSection(Section):
     """Field holding the environment's metadata object; without it, every other field of the row is the metadata."""
     answer_key: str = "answer"
     """Field holding the reference answer; copied to metadata.answer when it is named otherwise."""
+    chosen_key: str = "chosen"
+    """For `rlmesh dpo`: field holding the preferred assistant turn (a string, or TRL's conversational form: a list of messages ending in the assistant's)."""
+    rejected_key: str = "rejected"
+    """For `rlmesh dpo`: field holding the dispreferred assistant turn (same forms as chosen_key)."""
     env_name: str = "arithmetic"
     """Environment that scores these prompts (a row's own "env" field overrides it)."""
 
@@ -290,6 +294,21 @@ class SFTSection(Section):
     """Fraction of SFT targets made wrong so the warm start leaves room for RL: a stray trailing "!" on a single answer; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
 
 
+class DPOSection(Section):
+    num_steps: int = Field(0, ge=0)
+    """Optimizer steps of `rlmesh dpo` (0: none; `rlmesh dpo` asks for a positive number)."""
+    batch_size: int = Field(32, ge=1)
+    """Preference pairs per step."""
+    lr: float = Field(1e-4, gt=0)
+    """DPO learning rate (constant)."""
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL to the reference policy (the starting model): the loss is -log sigmoid(beta * ((log pi - log ref)(chosen) - (log pi - log ref)(rejected)))."""
+    sft_weight: float = Field(0.0, ge=0)
+    """Adds this times the chosen responses' mean token NLL to the loss (RPO): keeps DPO from making the chosen answers themselves less likely while it widens the margin (0: plain DPO)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the held-out pairs every N steps (0: only before and after)."""
+
+
 class AlgorithmSection(Section):
     name: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
     """Policy-gradient family member (sets advantage and loss normalisation)."""
@@ -392,6 +411,8 @@ class RunConfig(Section):
     """Learner (training)."""
     sft: SFTSection = SFTSection()
     """Supervised warm start."""
+    dpo: DPOSection = DPOSection()
+    """Direct preference optimisation (`rlmesh dpo`)."""
     algorithm: AlgorithmSection = AlgorithmSection()
     """RL algorithm."""
     queue: QueueSection = QueueSection()

@@ -40,11 +40,15 @@ def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence
 
 
 def build_objective(name: str, config) -> Objective:
-    """The objective for a run: `sft`, or the GRPO family member `algorithm.name` names."""
+    """The objective for a run: `sft`, `dpo`, or the GRPO family member `algorithm.name` names."""
     if name == "sft":
         from learner.objectives.sft import SFTObjective
 
         return SFTObjective()
+    if name == "dpo":
+        from learner.objectives.dpo import DPOObjective
+
+        return DPOObjective(config.dpo.beta, config.dpo.sft_weight)
     from learner.objectives.grpo import GRPOObjective
 
     return GRPOObjective(config.algorithm, max_tokens=config.rollout.max_tokens)

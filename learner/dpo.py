@@ -1,0 +1,197 @@
+"""`rlmesh dpo`: direct preference optimisation on (prompt, chosen, rejected) pairs, offline, through
+the same trainer, backend and step as RL and SFT (`learner/objectives/dpo.py`).
+
+The reference policy is the starting model (after the SFT warm start when `sft.num_steps > 0`): its
+token logprobs of every train and held-out pair are computed once, before the first step, with the
+training backend's own no-grad forward, so at step 0 every implicit reward is exactly zero. Writes:
+
+    <output>/
+      sft_model/       the warm start (only with sft.num_steps > 0)
+      model/           the DPO policy (HF model directory, tokenizer included)
+      metrics.jsonl    one line per step (loss, reward accuracy and margin, chosen / rejected reward)
+                       and per held-out evaluation
+      summary.json     held-out preference accuracy and greedy match before -> after
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from learner.batch import Sequence, plan_step
+from learner.data import Example, load_dataset
+from learner.sft import prepare_model, run_sft
+from services.chat import ChatCodec
+
+if TYPE_CHECKING:
+    from learner.trainer import Trainer
+    from services.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def preference_pairs(examples: list[Example], split: str) -> list[Example]:
+    pairs = [ex for ex in examples if ex.chosen is not None and ex.rejected is not None]
+    if not pairs:
+        raise ValueError(f"the {split} data has no preference pairs: give each JSONL row a chosen and a rejected "
+                         "assistant turn (data.chosen_key / data.rejected_key), or use data.type=arithmetic")
+    return pairs
+
+
+def pair_sequences(ex: Example, codec: ChatCodec, prompt_cache: dict[str, list[int]]) -> tuple[Sequence, Sequence]:
+    """The pair as two sequences sharing the prompt; each response ends with the end-of-turn token."""
+    if ex.id not in prompt_cache:
+        prompt_cache[ex.id] = codec.prompt(ex.prompt_messages, ex.tools or None)
+    prompt = prompt_cache[ex.id]
+    out = []
+    for text in (ex.chosen, ex.rejected):
+        ids = codec.tokenizer.encode(text, add_special_tokens=False) + [codec.eos_id]
+        out.append(Sequence(prompt, ids, [True] * len(ids), group_key=ex.id))
+    return out[0], out[1]
+
+
+def attach_reference(trainer: Trainer, pairs: dict[str, tuple[Sequence, Sequence]], micro_batch_size: int,
+                     pad_id: int) -> None:
+    """Store the current (reference) policy's token logprobs of each response in the sequence's
+    `behaviour_logprobs`, where the DPO loss reads them."""
+    seqs = [s for pair in pairs.values() for s in pair]
+    for start in range(0, len(seqs), micro_batch_size):
+        chunk = seqs[start : start + micro_batch_size]
+        (micro,) = plan_step(chunk, len(chunk), pad_id)
+        logprobs_BT = trainer.backend.compute_logprobs(micro)
+        for row, s in enumerate(chunk):
+            at = len(s.prompt_ids) - 1  # target position of the first response token
+            s.behaviour_logprobs = logprobs_BT[row, at : at + len(s.completion_ids)].tolist()
+
+
+def preference_accuracy(trainer: Trainer, pairs: list[tuple[Sequence, Sequence]], beta: float, micro_batch_size: int,
+                        pad_id: int) -> dict[str, float]:
+    """Held-out: how often the policy's implicit reward ranks chosen above rejected, and the mean margin."""
+    from learner.algorithms.loss import dpo_loss
+
+    seqs = [s for pair in pairs for s in pair]
+    wins, margin, n = 0.0, 0.0, 0
+    for start in range(0, len(seqs), micro_batch_size):
+        chunk = seqs[start : start + micro_batch_size]
+        (micro,) = plan_step(chunk, len(chunk), pad_id)
+        _, m = dpo_loss(trainer.backend.compute_logprobs(micro), micro, beta)
+        k = len(chunk) // 2
+        wins, margin, n = wins + m["reward_accuracy"] * k, margin + m["reward_margin"] * k, n + k
+    return {"preference_accuracy": wins / n, "reward_margin": margin / n}
+
+
+def greedy_match(model_dir: Path | str, examples: list[Example], max_tokens: int) -> float:
+    """Fraction of held-out prompts whose greedy completion (HF `generate`) is exactly the chosen
+    response: for the arithmetic pairs, held-out accuracy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    codec = ChatCodec(tokenizer)
+    hits = 0
+    with torch.no_grad():
+        for ex in examples:  # one at a time: no padding, so nothing but the prompt conditions the answer
+            ids = codec.prompt(ex.prompt_messages, ex.tools or None)
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=codec.eos_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+            completion = out[0, len(ids):].tolist()
+            if codec.eos_id in completion:
+                completion = completion[: completion.index(codec.eos_id)]
+            hits += tokenizer.decode(completion, skip_special_tokens=True) == ex.chosen
+    return hits / len(examples)
+
+
+def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None = None) -> dict:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from learner.trainer import Trainer
+
+    cfg = config.dpo
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    if config.learner.micro_batch_size % 2:
+        raise ValueError(f"learner.micro_batch_size={config.learner.micro_batch_size}: DPO keeps each (chosen, rejected) "
+                         "pair in one micro-batch, so it must be even")
+    train_set, eval_set = load_dataset(config.data, config.run.seed)
+    train_set, eval_set = preference_pairs(train_set, "train"), preference_pairs(eval_set, "held-out")
+    torch.set_num_threads(config.learner.torch_threads)
+    if config.sft.num_steps > 0:
+        model_dir = str(run_sft(config, output / "sft_model", show_progress=show_progress))
+    else:
+        model_dir = prepare_model(config, output)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tokenizer.pad_token_id
+    trainer = Trainer(config, model_dir, "dpo", lr=cfg.lr, pad_id=pad_id)
+    codec, cache = ChatCodec(tokenizer), {}
+    train_pairs = {ex.id: pair_sequences(ex, codec, cache) for ex in train_set}
+    eval_pairs = {ex.id: pair_sequences(ex, codec, cache) for ex in eval_set}
+    mbs = config.learner.micro_batch_size
+    t0 = time.monotonic()
+    attach_reference(trainer, {**train_pairs, **eval_pairs}, mbs, pad_id)
+    log.info("reference logprobs of %d pairs computed in %.1fs", len(train_pairs) + len(eval_pairs),
+             time.monotonic() - t0)
+    max_tokens = max(len(s.completion_ids) for pair in eval_pairs.values() for s in pair)
+    held_out = list(eval_pairs.values())
+
+    metrics = (output / "metrics.jsonl").open("w")
+
+    def evaluate(step: int) -> dict:
+        record = {"kind": "eval", "step": step, "time": time.time(),
+                  **preference_accuracy(trainer, held_out, cfg.beta, mbs, pad_id)}
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        return record
+
+    before = {**evaluate(0), "greedy_match": greedy_match(model_dir, eval_set, max_tokens)}
+    log.info("before DPO: held-out preference accuracy %.2f, greedy match %.2f",
+             before["preference_accuracy"], before["greedy_match"])
+    rng = random.Random(config.run.seed)
+    if show_progress is None:
+        show_progress = sys.stderr.isatty()
+    bar = tqdm(range(1, cfg.num_steps + 1), desc="dpo", disable=not show_progress)
+    for step in bar:
+        batch = rng.choices(train_set, k=cfg.batch_size)
+        seqs = [s for ex in batch for s in train_pairs[ex.id]]
+        m = trainer.step(seqs, cfg.lr)
+        metrics.write(json.dumps({"kind": "train", "step": step, "time": time.time(), **m}) + "\n")
+        bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['reward_accuracy']:.2f}")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
+            evaluate(step)
+    after = evaluate(cfg.num_steps)
+    metrics.close()
+    trainer.save_pretrained(output / "model")
+    tokenizer.save_pretrained(str(output / "model"))
+    after["greedy_match"] = greedy_match(output / "model", eval_set, max_tokens)
+    summary = {"num_steps": cfg.num_steps, "beta": cfg.beta, "num_train_pairs": len(train_pairs),
+               "num_eval_pairs": len(eval_pairs), "before": before, "after": after, "model": str(output / "model")}
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("after DPO: held-out preference accuracy %.2f, greedy match %.2f; model in %s",
+             after["preference_accuracy"], after["greedy_match"], output / "model")
+    return summary
+
+
+def main(config: RunConfig, args: argparse.Namespace) -> int:
+    from services.telemetry import setup_logging
+
+    setup_logging("dpo", config.logging.level)
+    if config.dpo.num_steps == 0:
+        raise SystemExit("rlmesh dpo: dpo.num_steps is 0; pass dpo.num_steps=N")
+    try:
+        summary = run_dpo(config, args.output)
+    except ValueError as err:
+        raise SystemExit(f"rlmesh dpo: {err}") from err
+    b, a = summary["before"], summary["after"]
+    print(f"held-out preference accuracy {b['preference_accuracy']:.2f} -> {a['preference_accuracy']:.2f}; "
+          f"greedy completion == chosen {b['greedy_match']:.2f} -> {a['greedy_match']:.2f}")
+    print(f"DPO model: {summary['model']}")
+    return 0
