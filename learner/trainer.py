@@ -78,6 +78,9 @@ class Trainer:
         self.backend.save_checkpoint(Path(path) / "dcp")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
                    Path(path) / f"rng_rank{self.rank}.pt")
+        if self.world_size > 1:
+            # Rank 0 renames the directory into place once this returns: every rank's files first.
+            torch.distributed.barrier()
 
     def _load(self, path: str) -> None:
         self.backend.load_checkpoint(Path(path) / "dcp")
