@@ -58,27 +58,12 @@ def lr_factor(step: int, config: RunConfig) -> float:
 
 def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Example], max_tokens: int) -> float:
     """Greedy completion of every held-out prompt with HF `generate`, scored by the environment."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from services.chat import ChatCodec
+    from learner.greedy import greedy_completions
 
     hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    codec = ChatCodec(tok)
-    prompts = [codec.prompt(ex.prompt_messages, ex.tools or None) for ex in eval_set]
-    texts = []
-    with torch.no_grad():
-        for ids in prompts:  # one at a time: no padding, so nothing but the prompt conditions the answer
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)
-            completion = out[0, len(ids):].tolist()
-            if tok.eos_token_id in completion:
-                completion = completion[: completion.index(tok.eos_token_id)]
-            texts.append(tok.decode(completion, skip_special_tokens=True))
+    texts = greedy_completions(model_dir, eval_set, max_tokens, tokenizer_dir)
     return sum(_rewards(texts, [str(ex.metadata["answer"]) for ex in eval_set])) / len(eval_set)
 
 

@@ -63,13 +63,13 @@ def _arithmetic(cfg: ArithmeticDataSection, seed: int) -> tuple[list[Example], l
             f"data.num_eval={cfg.num_eval} leaves no training problems out of {len(problems)} "
             "distinct ones; lower data.num_eval or raise data.max_operand"
         )
-    examples = [
+    examples = []
+    for a, op, b in problems:
+        answer = str(ops[op](a, b))
         # One preference pair per problem for `rlmesh dpo`: the answer over the answer with the
         # stray "!" the demo's noisy warm start learns (the habit GRPO unlearns in the demo).
-        Example(id=f"{a}{op}{b}", messages=[{"role": "user", "content": f"{a}{op}{b}="}], env="arithmetic",
-                metadata={"answer": str(ops[op](a, b))}, chosen=str(ops[op](a, b)), rejected=f"{ops[op](a, b)}!")
-        for a, op, b in problems
-    ]
+        examples.append(Example(id=f"{a}{op}{b}", messages=[{"role": "user", "content": f"{a}{op}{b}="}],
+                                env="arithmetic", metadata={"answer": answer}, chosen=answer, rejected=f"{answer}!"))
     eval_set = examples[: cfg.num_eval]
     train = examples[cfg.num_eval :][: cfg.num_train]
     return train, eval_set

@@ -22,14 +22,17 @@ import random
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from learner.batch import Sequence, plan_step
+from learner.batch import MicroBatch, Sequence, plan_step
 from learner.data import Example, load_dataset
 from learner.sft import prepare_model, run_sft
 from services.chat import ChatCodec
 
 if TYPE_CHECKING:
+    import torch
+
     from learner.trainer import Trainer
     from services.config import RunConfig
 
@@ -56,15 +59,22 @@ def pair_sequences(ex: Example, codec: ChatCodec, prompt_cache: dict[str, list[i
     return out[0], out[1]
 
 
+def scored_chunks(trainer: Trainer, seqs: list[Sequence], micro_batch_size: int, pad_id: int
+                  ) -> Iterator[tuple[list[Sequence], MicroBatch, torch.Tensor]]:
+    """(sequences, their micro-batch, the current policy's token logprobs) in no-grad chunks; an even
+    `micro_batch_size` keeps each pair in one chunk."""
+    for start in range(0, len(seqs), micro_batch_size):
+        chunk = seqs[start : start + micro_batch_size]
+        (micro,) = plan_step(chunk, len(chunk), pad_id)
+        yield chunk, micro, trainer.backend.compute_logprobs(micro)
+
+
 def attach_reference(trainer: Trainer, pairs: dict[str, tuple[Sequence, Sequence]], micro_batch_size: int,
                      pad_id: int) -> None:
     """Store the current (reference) policy's token logprobs of each response in the sequence's
     `behaviour_logprobs`, where the DPO loss reads them."""
     seqs = [s for pair in pairs.values() for s in pair]
-    for start in range(0, len(seqs), micro_batch_size):
-        chunk = seqs[start : start + micro_batch_size]
-        (micro,) = plan_step(chunk, len(chunk), pad_id)
-        logprobs_BT = trainer.backend.compute_logprobs(micro)
+    for chunk, _, logprobs_BT in scored_chunks(trainer, seqs, micro_batch_size, pad_id):
         for row, s in enumerate(chunk):
             at = len(s.prompt_ids) - 1  # target position of the first response token
             s.behaviour_logprobs = logprobs_BT[row, at : at + len(s.completion_ids)].tolist()
@@ -77,10 +87,8 @@ def preference_accuracy(trainer: Trainer, pairs: list[tuple[Sequence, Sequence]]
 
     seqs = [s for pair in pairs for s in pair]
     wins, margin, n = 0.0, 0.0, 0
-    for start in range(0, len(seqs), micro_batch_size):
-        chunk = seqs[start : start + micro_batch_size]
-        (micro,) = plan_step(chunk, len(chunk), pad_id)
-        _, m = dpo_loss(trainer.backend.compute_logprobs(micro), micro, beta)
+    for chunk, micro, logprobs_BT in scored_chunks(trainer, seqs, micro_batch_size, pad_id):
+        _, m = dpo_loss(logprobs_BT, micro, beta)
         k = len(chunk) // 2
         wins, margin, n = wins + m["reward_accuracy"] * k, margin + m["reward_margin"] * k, n + k
     return {"preference_accuracy": wins / n, "reward_margin": margin / n}
@@ -89,28 +97,13 @@ def preference_accuracy(trainer: Trainer, pairs: list[tuple[Sequence, Sequence]]
 def greedy_match(model_dir: Path | str, examples: list[Example], max_tokens: int) -> float:
     """Fraction of held-out prompts whose greedy completion (HF `generate`) is exactly the chosen
     response: for the arithmetic pairs, held-out accuracy."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from learner.greedy import greedy_completions
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    codec = ChatCodec(tokenizer)
-    hits = 0
-    with torch.no_grad():
-        for ex in examples:  # one at a time: no padding, so nothing but the prompt conditions the answer
-            ids = codec.prompt(ex.prompt_messages, ex.tools or None)
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=codec.eos_id,
-                                 pad_token_id=tokenizer.pad_token_id)
-            completion = out[0, len(ids):].tolist()
-            if codec.eos_id in completion:
-                completion = completion[: completion.index(codec.eos_id)]
-            hits += tokenizer.decode(completion, skip_special_tokens=True) == ex.chosen
-    return hits / len(examples)
+    texts = greedy_completions(model_dir, examples, max_tokens)
+    return sum(text == ex.chosen for text, ex in zip(texts, examples)) / len(examples)
 
 
 def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None = None) -> dict:
-    import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -124,7 +117,6 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
                          "pair in one micro-batch, so it must be even")
     train_set, eval_set = load_dataset(config.data, config.run.seed)
     train_set, eval_set = preference_pairs(train_set, "train"), preference_pairs(eval_set, "held-out")
-    torch.set_num_threads(config.learner.torch_threads)
     if config.sft.num_steps > 0:
         model_dir = str(run_sft(config, output / "sft_model", show_progress=show_progress))
     else:

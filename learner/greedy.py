@@ -1,0 +1,33 @@
+"""Greedy completions of held-out prompts with a plain HF model (`generate`), outside the mesh: for
+offline objectives (DPO) and for benchmarks that score checkpoints of other trainers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from learner.data import Example
+from services.chat import ChatCodec
+
+
+def greedy_completions(model_dir: Path | str, examples: list[Example], max_tokens: int,
+                       tokenizer_dir: Path | str | None = None) -> list[str]:
+    """Each example's prompt through the chat template, completed greedily up to `max_tokens` or the
+    end-of-turn token, decoded without special tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    codec = ChatCodec(tokenizer)
+    texts = []
+    with torch.no_grad():
+        for ex in examples:  # one at a time: no padding, so nothing but the prompt conditions the answer
+            ids = codec.prompt(ex.prompt_messages, ex.tools or None)
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=codec.eos_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+            completion = out[0, len(ids):].tolist()
+            if codec.eos_id in completion:
+                completion = completion[: completion.index(codec.eos_id)]
+            texts.append(tokenizer.decode(completion, skip_special_tokens=True))
+    return texts
