@@ -67,6 +67,7 @@ class Trainer:
 
     def stop(self) -> None:
         self.channel.announce("stop")
+        self._close()
 
     # --- the collectives, identical on every rank -------------------------------------------------
 
@@ -90,6 +91,13 @@ class Trainer:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
 
+    def _close(self) -> None:
+        """Tear the process groups down now, on every rank: left to interpreter exit, gloo's threads
+        sometimes abort the process ("terminate called without an active exception") after the
+        work is done, and torchrun reports the job failed."""
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     # --- ranks > 0 ----------------------------------------------------------------------------------
 
     def follow(self) -> None:
@@ -98,6 +106,7 @@ class Trainer:
         while True:
             command, payload = self.channel.receive()
             if command == "stop":
+                self._close()
                 return
             if command == "step":
                 self._step(*payload)
