@@ -1,6 +1,8 @@
 """Held-out evaluation through the rollout tier: one greedy completion per eval prompt, scored by
 the environment. Accuracy is the environment's own correctness signal (its `correct` reward
-component) where it reports one, and the mean reward otherwise (the record says which)."""
+component) where it reports one, and the mean reward otherwise (the record says which). An episode the
+rollout tier cut off at `rollout.episode.max_turns` never got the environment's verdict: it counts as
+not correct."""
 
 from __future__ import annotations
 
@@ -20,8 +22,19 @@ CORRECT = "correct"
 Arrivals = list[tuple[Entry, common_pb2.TrajectoryGroup]]
 
 
+CUT_OFF = "max_turns"  # the finish reason of an episode stopped by the rollout tier's turn budget
+
+
 def correctness(sample: common_pb2.Sample) -> float:
-    return sample.reward_components[CORRECT] if CORRECT in sample.reward_components else sample.reward
+    if CORRECT in sample.reward_components:
+        return sample.reward_components[CORRECT]
+    return 0.0 if sample.finish_reason == CUT_OFF else sample.reward
+
+
+def reports_correctness(scored: list[common_pb2.Sample]) -> bool:
+    """True when the environment gave a `correct` verdict on every episode it finished."""
+    verdicts = [CORRECT in s.reward_components for s in scored if s.finish_reason != CUT_OFF]
+    return bool(verdicts) and all(verdicts)
 
 
 def episode_stats(samples: list[common_pb2.Sample]) -> dict[str, float]:
@@ -65,8 +78,8 @@ class Evaluator:
                 raise TimeoutError(f"{len(pending)} eval groups not back after {self.timeout_s:.0f}s; "
                                    "is a rollout server running?")
         scored = [s for s in results if not s.error]
-        has_signal = bool(scored) and all(CORRECT in s.reward_components for s in scored)
-        accuracy = sum(correctness(s) for s in scored) / max(len(results), 1)
+        has_signal = reports_correctness(scored)
+        accuracy = sum(correctness(s) if has_signal else s.reward for s in scored) / max(len(results), 1)
         record = {"kind": "eval", "version": version, "accuracy": accuracy,
                   "accuracy_source": "env_correct" if has_signal else "mean_reward",
                   "reward_mean": sum(s.reward for s in scored) / max(len(scored), 1),
