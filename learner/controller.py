@@ -250,20 +250,20 @@ class Controller:
         await self.sync_generators()
 
     async def _fill(self, ready: Arrivals) -> Arrivals:
-        """Admit arrivals until a step's worth of groups is ready, issuing prompts as room frees."""
+        """Admit arrivals until a step's worth of groups is ready, issuing prompts as room frees.
+        Groups held back during an evaluation are admitted first, whatever `ready` already holds."""
         arrivals, self.held_back = self.held_back, []
-        while len(ready) < self.B:
+        while True:
             for e, g in arrivals:
                 if g.prompt.split != "train":
                     await self.trajectories.ack(e.id)
                 elif await self.admission.accept(e, g, self.version):
                     ready.append((e, g))
             if len(ready) >= self.B:
-                break
+                return ready
             await self.issuer.issue_train(len(ready), self.version)
             await self.sync_generators()
             arrivals = await self._read()
-        return ready
 
     async def train(self) -> dict:
         cfg = self.config
@@ -291,13 +291,15 @@ class Controller:
                 self.unacked.append(e.id)
             self.trained_log.write({"version": self.version, "group_ids": [g.group_id for g in groups]})
             bc = await self.broadcaster.broadcast(self.version, self.weights)
+            # Top the prompt stream up as soon as the new version is out, whatever comes next: a
+            # step trained from groups already buffered (e.g. those held back during an evaluation)
+            # would otherwise leave the rollout tier idle, and a checkpoint or evaluation would too.
+            if self.version < cfg.learner.num_steps:
+                await self.issuer.issue_train(len(ready), self.version)
             self._log_step(groups, ages, train_metrics, bc, train_s, t_last)
             t_last = time.monotonic()
             every = cfg.checkpoint.every_n_steps
             if every and self.version % every == 0 and self.version < cfg.learner.num_steps:
-                # Top the prompt stream up first (the new version is already broadcast), so the
-                # rollout tier generates the next batch while the checkpoint is written.
-                await self.issuer.issue_train(len(ready), self.version)
                 await self._checkpoint()
             if cfg.learner.eval_every and self.version % cfg.learner.eval_every == 0 and self.version < cfg.learner.num_steps:
                 await self.evaluate()

@@ -1,4 +1,4 @@
-"""Controller pieces that need no servers: the learning-rate schedule."""
+"""Controller pieces that need no servers: the learning-rate schedule, and admitting held-back groups."""
 
 import pytest
 
@@ -24,3 +24,43 @@ def test_linear_schedule_decays_from_peak_to_final_ratio(tmp_path):
 def test_controller_refuses_a_model_it_cannot_load(tmp_path):
     with pytest.raises(ValueError, match="model.type=hf"):
         Controller(load_config(None, []), tmp_path)
+
+
+async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_batch_is_already_buffered(tmp_path):
+    """They were lost before: with a full batch already buffered (k >= 2), _fill returned at once and
+    dropped them, so they were never trained nor acked and counted as in flight forever."""
+    from learner.admission import Admission
+    from learner.issuer import PromptIssuer
+    from rlmesh.v1 import common_pb2
+    from services.queue import Entry
+
+    class Stream:
+        def __init__(self):
+            self.acked = []
+
+        async def ack(self, *ids):
+            self.acked.extend(ids)
+            return len(ids)
+
+    class Log:
+        def write(self, record):
+            pass
+
+    def arrival(i: int, version: int, split: str = "train"):
+        group = common_pb2.TrajectoryGroup(group_id=f"g{i}", prompt=common_pb2.PromptGroup(split=split), samples=[
+            common_pb2.Sample(index=j, min_version=version, max_version=version, reward=float(j % 2)) for j in range(4)])
+        return Entry(id=f"e{i}", key=f"g{i}", data=b""), group
+
+    config = load_config(None, ["model.type=hf", "model.path=unused", "algorithm.max_staleness=2",
+                                "learner.groups_per_step=4"])
+    controller = Controller(config, tmp_path)
+    controller.version = 10
+    controller.trajectories = Stream()
+    controller.issuer = PromptIssuer(Stream(), "run", [], group_size=4, groups_per_step=4, max_staleness=2)
+    controller.admission = Admission(controller.trajectories, Log(), max_staleness=2,
+                                     drop_zero_advantage_groups=False, on_returned=controller.issuer.returned)
+    ready = [arrival(i, 9) for i in range(6)]
+    controller.held_back = [arrival(i, 10) for i in range(6, 9)] + [arrival(9, 10, "eval")]
+    out = await controller._fill(list(ready))
+    assert sorted(g.group_id for _, g in out) == [f"g{i}" for i in range(9)]
+    assert controller.held_back == [] and controller.trajectories.acked == ["e9"]
