@@ -111,7 +111,8 @@ class Controller:
         self.admission = Admission(self.trajectories, self.dropped_log, max_staleness=self.k,
                                    drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
                                    on_returned=self.issuer.returned)
-        self.evaluator = Evaluator(eval_set, self.issuer, self.trajectories, self._read, self.sync_generators)
+        self.evaluator = Evaluator(eval_set, self.issuer, self.trajectories, self._read, self.sync_generators,
+                                   self._eval_record)
         await self._resume()
 
     async def _resume(self) -> None:
@@ -213,11 +214,13 @@ class Controller:
         return cfg.lr * (1 - (1 - cfg.lr_final_ratio) * min(progress, 1.0))
 
     async def evaluate(self) -> dict:
-        record = await self.evaluator.run(self.version, self.held_back)
+        """Evaluate the current version and wait for it (and for rounds still open)."""
+        return await self.evaluator.run(self.version, self.held_back)
+
+    def _eval_record(self, record: dict) -> None:
         self.metrics.write(record)
         if self.first_eval is None:
             self.first_eval = record
-        return record
 
     # --- main loop -------------------------------------------------------------------------------
 
@@ -256,7 +259,7 @@ class Controller:
         while True:
             for e, g in arrivals:
                 if g.prompt.split != "train":
-                    await self.trajectories.ack(e.id)
+                    await self.evaluator.offer(e, g)  # a round running beside training, or a stray
                 elif await self.admission.accept(e, g, self.version):
                     ready.append((e, g))
             if len(ready) >= self.B:
@@ -302,7 +305,10 @@ class Controller:
             if every and self.version % every == 0 and self.version < cfg.learner.num_steps:
                 await self._checkpoint()
             if cfg.learner.eval_every and self.version % cfg.learner.eval_every == 0 and self.version < cfg.learner.num_steps:
-                await self.evaluate()
+                if cfg.learner.eval_overlap:
+                    await self.evaluator.start(self.version)  # finishes as its groups come back
+                else:
+                    await self.evaluate()
         after = await self.evaluate()
         checkpoint = await self._checkpoint()
         # Groups still in flight when training ends were never trained on; leave them pending.

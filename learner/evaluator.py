@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from learner.data import Example
 from learner.issuer import PromptIssuer
@@ -47,43 +48,91 @@ def episode_stats(samples: list[common_pb2.Sample]) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Round:
+    """One evaluation of the eval set, started at `version`."""
+
+    version: int
+    pending: set[str]
+    t0: float = field(default_factory=time.monotonic)
+    results: list[common_pb2.Sample] = field(default_factory=list)
+    record: dict | None = None  # set when the last group is back
+
+
 class Evaluator:
+    """Rounds are started (`start`) and completed by the eval groups offered back to them (`offer`),
+    so a round can finish while the learner trains (the controller offers what it reads); `run` is
+    the blocking form, which also finishes every round still open. A finished round's record goes
+    to `on_record`."""
+
     def __init__(self, eval_set: list[Example], issuer: PromptIssuer, trajectories: StreamQueue,
                  read: Callable[[], Awaitable[Arrivals]], between_reads: Callable[[], Awaitable[None]],
-                 timeout_s: float = 600.0) -> None:
+                 on_record: Callable[[dict], None], timeout_s: float = 600.0) -> None:
         self.eval_set, self.issuer, self.trajectories = eval_set, issuer, trajectories
-        self.read, self.between_reads, self.timeout_s = read, between_reads, timeout_s
+        self.read, self.between_reads, self.on_record = read, between_reads, on_record
+        self.timeout_s = timeout_s
+        self.rounds: dict[str, Round] = {}  # eval group id -> its open round
 
-    async def run(self, version: int, held_back: Arrivals) -> dict:
-        """Evaluate at `version`; train groups that arrive meanwhile are appended to `held_back`."""
-        pending = set()
+    async def start(self, version: int) -> Round:
+        rnd = Round(version, set())
         for ex in self.eval_set:
             group = self.issuer.prompt_group(ex, "eval", 1, version, greedy=True)
             await self.issuer.publish(group)
-            pending.add(group.group_id)
-        t0, results = time.monotonic(), []
-        while pending:
+            rnd.pending.add(group.group_id)
+            self.rounds[group.group_id] = rnd
+        if not rnd.pending:  # an empty eval set
+            rnd.record = self._record(rnd)
+            self.on_record(rnd.record)
+        return rnd
+
+    async def offer(self, entry: Entry, group: common_pb2.TrajectoryGroup) -> dict | None:
+        """An eval group read from the trajectory stream: acked, and counted in its round; returns
+        the round's record if this completed it. Groups of no open round (e.g. issued before a
+        restart) are only acked."""
+        await self.trajectories.ack(entry.id)
+        rnd = self.rounds.pop(group.group_id, None)
+        if rnd is None:
+            return None
+        rnd.pending.discard(group.group_id)
+        self.issuer.returned(group.group_id)
+        rnd.results.append(group.samples[0])
+        if rnd.pending:
+            return None
+        rnd.record = self._record(rnd)
+        self.on_record(rnd.record)
+        return rnd.record
+
+    async def run(self, version: int, held_back: Arrivals) -> dict:
+        """Evaluate at `version` and wait for it (and any round still open); train groups that
+        arrive meanwhile are appended to `held_back`."""
+        rnd = await self.start(version)
+        while self.rounds:
             await self.between_reads()
             for entry, group in await self.read():
-                if group.group_id in pending:
-                    pending.discard(group.group_id)
-                    self.issuer.returned(group.group_id)
-                    results.append(group.samples[0])
-                    await self.trajectories.ack(entry.id)
-                elif group.prompt.split == "train":
+                if group.prompt.split == "train":
                     held_back.append((entry, group))
-                else:  # an eval group of an earlier round (e.g. before a restart)
-                    await self.trajectories.ack(entry.id)
-            if time.monotonic() - t0 > self.timeout_s:
-                raise TimeoutError(f"{len(pending)} eval groups not back after {self.timeout_s:.0f}s; "
+                else:
+                    await self.offer(entry, group)
+            if time.monotonic() - rnd.t0 > self.timeout_s:
+                raise TimeoutError(f"{len(self.rounds)} eval groups not back after {self.timeout_s:.0f}s; "
                                    "is a rollout server running?")
+        assert rnd.record is not None
+        return rnd.record
+
+    @staticmethod
+    def _record(rnd: Round) -> dict:
+        results = rnd.results
         scored = [s for s in results if not s.error]
         has_signal = reports_correctness(scored)
         accuracy = sum(correctness(s) if has_signal else s.reward for s in scored) / max(len(results), 1)
-        record = {"kind": "eval", "version": version, "accuracy": accuracy,
+        versions = [v for s in results for v in (s.min_version, s.max_version)] or [rnd.version]
+        record = {"kind": "eval", "version": rnd.version, "accuracy": accuracy,
                   "accuracy_source": "env_correct" if has_signal else "mean_reward",
                   "reward_mean": sum(s.reward for s in scored) / max(len(scored), 1),
                   "num_prompts": len(results), "num_errors": len(results) - len(scored), **episode_stats(scored),
-                  "eval_s": time.monotonic() - t0}
-        log.info("held-out accuracy at version %d: %.3f (%d prompts)", version, accuracy, len(results))
+                  # The policy versions that generated the answers: newer than `version` when the
+                  # round ran beside training (learner.eval_overlap) and a weight update came first.
+                  "generated_at_versions": [min(versions), max(versions)],
+                  "eval_s": time.monotonic() - rnd.t0}
+        log.info("held-out accuracy at version %d: %.3f (%d prompts)", rnd.version, accuracy, len(results))
         return record

@@ -270,6 +270,12 @@ class LearnerSection(Section):
     """Sequences per forward/backward."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on held-out prompts every N steps (0: only before and after)."""
+    eval_overlap: bool = True
+    """Mid-run evaluations run beside training: the learner issues the eval prompts and goes on, and
+    the record is written when the last answer is back (`generated_at_versions` says which weights
+    answered; newer than `version` if a weight update reached the rollout tier first). false: the
+    learner waits for each evaluation, and every answer comes from exactly `version`. The first and
+    last evaluations always wait."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the learner process."""
     cpu_cores: str = Field("auto", pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")

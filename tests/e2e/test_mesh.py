@@ -81,7 +81,7 @@ class Up:
 
 def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
     run_dir = tmp_path / "run"
-    up = Up(run_dir, "learner.num_steps=40", "learner.eval_every=0", "algorithm.max_staleness=1")
+    up = Up(run_dir, "learner.num_steps=40", "learner.eval_every=10", "algorithm.max_staleness=1")
     code = up.finish(timeout=900)
     assert code == 0, up.output()[-4000:]
     assert len(up.seen) >= 4, "valkey is in-process; sft, reward, learner, rollout (+ vLLM engine) are children"
@@ -97,6 +97,16 @@ def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
     print(f"train reward {reward_first:.3f} -> {reward_last:.3f}; held-out "
           f"{summary['held_out_accuracy_before']:.3f} -> {summary['held_out_accuracy_after']:.3f}")
     assert reward_last > reward_first + 0.1, f"reward did not rise: {reward_first:.3f} -> {reward_last:.3f}"
+
+    # Mid-run evaluations ran beside training (learner.eval_overlap) and each one finished; the
+    # first and last waited. Every answer came from the evaluated version or a later one.
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["version"] for r in evals] == [0, 10, 20, 30, 40]
+    assert all(r["version"] <= r["generated_at_versions"][0] <= r["generated_at_versions"][1] for r in evals)
+    assert [r["generated_at_versions"] for r in (evals[0], evals[-1])] == [[0, 0], [40, 40]]
+    trained = [g for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()
+               for g in json.loads(line).get("group_ids", [])]
+    assert len(trained) == len(set(trained)) == 40 * 32 and all("/train/" in g for g in trained)
 
     # Asynchronous: samples one version old were trained on, never older.
     assert max(r["staleness_max"] for r in train) == 1

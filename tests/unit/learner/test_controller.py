@@ -30,6 +30,7 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
     """They were lost before: with a full batch already buffered (k >= 2), _fill returned at once and
     dropped them, so they were never trained nor acked and counted as in flight forever."""
     from learner.admission import Admission
+    from learner.evaluator import Evaluator
     from learner.issuer import PromptIssuer
     from rlmesh.v1 import common_pb2
     from services.queue import Entry
@@ -59,6 +60,7 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
     controller.issuer = PromptIssuer(Stream(), "run", [], group_size=4, groups_per_step=4, max_staleness=2)
     controller.admission = Admission(controller.trajectories, Log(), max_staleness=2,
                                      drop_zero_advantage_groups=False, on_returned=controller.issuer.returned)
+    controller.evaluator = Evaluator([], controller.issuer, controller.trajectories, None, None, Log().write)
     ready = [arrival(i, 9) for i in range(6)]
     controller.held_back = [arrival(i, 10) for i in range(6, 9)] + [arrival(9, 10, "eval")]
     out = await controller._fill(list(ready))

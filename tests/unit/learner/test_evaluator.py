@@ -16,6 +16,9 @@ def sample(reward: float, finish: str, correct: float | None = None, error: str 
     return s
 
 
+EXAMPLE = Example(id="e", messages=[{"role": "user", "content": "p"}], env="calculator")
+
+
 class Issuer:
     """Hands out eval groups and remembers them so the read below can answer each."""
 
@@ -48,10 +51,11 @@ def evaluate(samples) -> dict:
     async def idle():
         pass
 
-    evaluator = Evaluator([Example(id="e", messages=[{"role": "user", "content": "p"}], env="calculator")] * len(samples), issuer,
-                          SimpleNamespace(ack=ack), read, idle)
+    written = []
+    evaluator = Evaluator([EXAMPLE] * len(samples), issuer, SimpleNamespace(ack=ack), read, idle, written.append)
     record = asyncio.run(evaluator.run(3, []))
     assert sorted(acked) == sorted(f"g{i}" for i in range(len(samples)))
+    assert written == [record] and not evaluator.rounds
     return record
 
 
@@ -72,3 +76,31 @@ def test_without_a_verdict_accuracy_is_the_mean_reward_and_errors_count_as_zero(
 def test_episodes_all_cut_off_give_no_verdict():
     record = evaluate([sample(0.25, "max_turns"), sample(0.75, "max_turns")])
     assert record["accuracy_source"] == "mean_reward" and record["accuracy"] == 0.5
+
+
+def test_a_round_started_beside_training_finishes_when_its_last_group_is_offered():
+    """learner.eval_overlap: the controller offers eval groups it reads while filling a batch."""
+    issuer = Issuer([sample(1.0, "done", 1.0), sample(0.0, "done", 0.0)])
+    acked, written = [], []
+
+    async def ack(entry_id):
+        acked.append(entry_id)
+
+    async def never():
+        raise AssertionError("a round started beside training does not read by itself")
+
+    evaluator = Evaluator([EXAMPLE] * 2, issuer, SimpleNamespace(ack=ack), never, never, written.append)
+
+    async def scenario():
+        await evaluator.start(7)
+        first, second = issuer.published
+        for g in (first, second):  # answered by a newer policy than the round's
+            g.samples[0].min_version = g.samples[0].max_version = 8
+        stray = common_pb2.TrajectoryGroup(group_id="old/eval/1", prompt=common_pb2.PromptGroup(split="eval"))
+        assert await evaluator.offer(SimpleNamespace(id="s"), stray) is None
+        assert await evaluator.offer(SimpleNamespace(id="a"), first) is None and written == []
+        return await evaluator.offer(SimpleNamespace(id="b"), second)
+
+    record = asyncio.run(scenario())
+    assert written == [record] and not evaluator.rounds and acked == ["s", "a", "b"]
+    assert record["version"] == 7 and record["generated_at_versions"] == [8, 8] and record["accuracy"] == 0.5
