@@ -95,7 +95,10 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str]) -> dict[str, Any]:
     first_step_start = train[0]["time"] - train[0]["step_s"] - t_launch
     return {"process_s": t_end - t_launch, "first_step_start_s": first_step_start, "steps": len(train),
             "loop_s": at[max(at)] - first_step_start, "time_at_step": at, "checkpoints": checkpoints,
-            "own_eval": {r["version"]: r["accuracy"] for r in rows if r["kind"] == "eval"}}
+            # In-loop evaluations answered by exactly their version (one that ran beside training
+            # may have been answered partly by the next weights: learner.eval_overlap).
+            "own_eval": {r["version"]: r["accuracy"] for r in rows if r["kind"] == "eval"
+                         and r.get("generated_at_versions", [r["version"]] * 2) == [r["version"]] * 2}}
 
 
 # --- TRL side ----------------------------------------------------------------------------------
