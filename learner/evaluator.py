@@ -26,12 +26,6 @@ Arrivals = list[tuple[Entry, common_pb2.TrajectoryGroup]]
 CUT_OFF = "max_turns"  # the finish reason of an episode stopped by the rollout tier's turn budget
 
 
-def correctness(sample: common_pb2.Sample) -> float:
-    if CORRECT in sample.reward_components:
-        return sample.reward_components[CORRECT]
-    return 0.0 if sample.finish_reason == CUT_OFF else sample.reward
-
-
 def reports_correctness(scored: list[common_pb2.Sample]) -> bool:
     """True when the environment gave a `correct` verdict on every episode it finished."""
     verdicts = [CORRECT in s.reward_components for s in scored if s.finish_reason != CUT_OFF]
@@ -53,7 +47,7 @@ class Round:
     """One evaluation of the eval set, started at `version`."""
 
     version: int
-    pending: set[str]
+    size: int  # eval groups issued
     t0: float = field(default_factory=time.monotonic)
     results: list[common_pb2.Sample] = field(default_factory=list)
     record: dict | None = None  # set when the last group is back
@@ -74,15 +68,13 @@ class Evaluator:
         self.rounds: dict[str, Round] = {}  # eval group id -> its open round
 
     async def start(self, version: int) -> Round:
-        rnd = Round(version, set())
+        rnd = Round(version, len(self.eval_set))
         for ex in self.eval_set:
             group = self.issuer.prompt_group(ex, "eval", 1, version, greedy=True)
             await self.issuer.publish(group)
-            rnd.pending.add(group.group_id)
             self.rounds[group.group_id] = rnd
-        if not rnd.pending:  # an empty eval set
-            rnd.record = self._record(rnd)
-            self.on_record(rnd.record)
+        if not self.eval_set:
+            self._finish(rnd)
         return rnd
 
     async def offer(self, entry: Entry, group: common_pb2.TrajectoryGroup) -> dict | None:
@@ -93,14 +85,9 @@ class Evaluator:
         rnd = self.rounds.pop(group.group_id, None)
         if rnd is None:
             return None
-        rnd.pending.discard(group.group_id)
         self.issuer.returned(group.group_id)
         rnd.results.append(group.samples[0])
-        if rnd.pending:
-            return None
-        rnd.record = self._record(rnd)
-        self.on_record(rnd.record)
-        return rnd.record
+        return self._finish(rnd) if len(rnd.results) == rnd.size else None
 
     async def run(self, version: int, held_back: Arrivals) -> dict:
         """Evaluate at `version` and wait for it (and any round still open); train groups that
@@ -119,12 +106,19 @@ class Evaluator:
         assert rnd.record is not None
         return rnd.record
 
+    def _finish(self, rnd: Round) -> dict:
+        rnd.record = self._record(rnd)
+        self.on_record(rnd.record)
+        return rnd.record
+
     @staticmethod
     def _record(rnd: Round) -> dict:
         results = rnd.results
         scored = [s for s in results if not s.error]
         has_signal = reports_correctness(scored)
-        accuracy = sum(correctness(s) if has_signal else s.reward for s in scored) / max(len(results), 1)
+        # With a verdict, an episode cut off before it (no `correct` component) counts as wrong.
+        accuracy = sum(s.reward_components.get(CORRECT, 0.0) if has_signal else s.reward
+                       for s in scored) / max(len(results), 1)
         versions = [v for s in results for v in (s.min_version, s.max_version)] or [rnd.version]
         record = {"kind": "eval", "version": rnd.version, "accuracy": accuracy,
                   "accuracy_source": "env_correct" if has_signal else "mean_reward",
