@@ -30,11 +30,11 @@ async def rollout_harness(model_dir: Path, tmp: Path, *, rollout: dict | None = 
     """Yields once the rollout server has registered with the stand-in learner."""
     import yaml
 
-    from learner.membership import LearnerService, Membership
+    from rlmesh.learner.membership import LearnerService, Membership
     from rlmesh.v1 import learner_pb2, learner_pb2_grpc
-    from services.grpc_server import start_server
-    from services.ports import free_port
-    from services.valkey import start_embedded_valkey
+    from rlmesh.services.grpc_server import start_server
+    from rlmesh.services.ports import free_port
+    from rlmesh.services.valkey import start_embedded_valkey
 
     valkey = start_embedded_valkey()
     membership = Membership(token=None, rpc_timeout_s=rpc_timeout_s)
@@ -47,7 +47,7 @@ async def rollout_harness(model_dir: Path, tmp: Path, *, rollout: dict | None = 
            "rollout": rollout or {}}
     (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cli = [sys.executable, "-m", "entrypoints.cli"]
+    cli = [sys.executable, "-m", "rlmesh.entrypoints.cli"]
     procs = []
     if with_reward:
         procs.append(subprocess.Popen([*cli, "reward", "-c", str(tmp / "bench.yaml"), "--port", str(reward_port)],

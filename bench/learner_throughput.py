@@ -46,7 +46,7 @@ def make_groups(num_groups: int, n: int, prompt_len: int, completion_len: int, v
 
 
 def config_for(model_dir: Path, micro_batch_size: int, overrides: list[str] | None = None):
-    from services.config import load_config
+    from rlmesh.services.config import load_config
 
     return load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
                               "learner.lr=1e-4", "rollout.max_tokens=64", "learner.torch_threads=1",
@@ -59,7 +59,7 @@ def num_tokens(seqs) -> int:
 
 def time_learner(model_dir: Path, args) -> dict:
     """The learner's step; under torchrun every rank runs this and rank 0 reports."""
-    from learner.trainer import Trainer
+    from rlmesh.learner.train.trainer import Trainer
 
     trainer = Trainer(config_for(model_dir, args.micro_batch_size, args.override), str(model_dir), pad_id=0)
     if trainer.rank != 0:
@@ -79,8 +79,8 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.batch import plan_step
-    from learner.objectives.grpo import GRPOObjective
+    from rlmesh.learner.train.batch import plan_step
+    from rlmesh.learner.train.objectives.grpo import GRPOObjective
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -149,8 +149,8 @@ def main() -> None:
         if result:
             Path(args.worker[1]).write_text(json.dumps(result))
         return
-    from learner.tiny_model import write_tiny_model
-    from services.config import TinyModelSection
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -34,8 +34,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers import AutoTokenizer
 
-    from learner.tiny_model import write_tiny_model
-    from services.config import TinyModelSection
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
 
     tmp = Path(tempfile.mkdtemp(prefix="rlmesh-prefix-"))
     model_dir = write_tiny_model(TinyModelSection(), tmp / "model")

@@ -36,7 +36,7 @@ def make_group(samples: int, tokens: int, rng: random.Random) -> bytes:
 
 
 async def pump(url: str, payloads: list[bytes]) -> float:
-    from services.queue import StreamQueue, connect
+    from rlmesh.services.queue import StreamQueue, connect
 
     q = StreamQueue(connect(url), f"bench:{uuid.uuid4().hex[:6]}", group="learner", max_len=100000)
     await q.ensure_group()
@@ -67,7 +67,7 @@ def main() -> None:
                    help="rollout tier throughput to compare with (bench/rollout_throughput.py's measured value)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    from services.valkey import start_embedded_valkey
+    from rlmesh.services.valkey import start_embedded_valkey
 
     rng = random.Random(0)
     unique = [make_group(args.samples, args.tokens, rng) for _ in range(16)]

@@ -20,10 +20,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from reward_server.environments.arithmetic import ArithmeticEnvironment  # noqa: E402
-from reward_server.environments.base import ScoreInput  # noqa: E402
+from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment  # noqa: E402
+from rlmesh.reward_server.environments.base import ScoreInput  # noqa: E402
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc  # noqa: E402
-from services.ports import free_port  # noqa: E402
+from rlmesh.services.ports import free_port  # noqa: E402
 
 
 def _problem(i: int) -> tuple[str, str, str]:
@@ -45,7 +45,7 @@ def in_process(num_items: int, batch: int) -> tuple[int, float, float]:
 
 
 async def through_grpc(address: str, num_items: int, batch: int, concurrency: int) -> tuple[int, float, float]:
-    from services.grpc_client import make_channel
+    from rlmesh.services.grpc_client import make_channel
 
     requests = []
     for start in range(0, num_items, batch):
@@ -78,8 +78,8 @@ async def through_grpc(address: str, num_items: int, batch: int, concurrency: in
 
 async def serve(port: int, remote: str | None) -> None:
     """One reward server; with `remote`, it serves nothing itself and proxies arithmetic there."""
-    from reward_server.service import RewardService
-    from services.grpc_server import start_server
+    from rlmesh.reward_server.service import RewardService
+    from rlmesh.services.grpc_server import start_server
 
     service = RewardService(builtin=[] if remote else None)
     if remote:
@@ -95,7 +95,7 @@ def _start(port: int, remote: str | None = None) -> subprocess.Popen:
 
 
 async def measure(num_items: int, batch: int, concurrency: int) -> dict[str, tuple[int, float, float]]:
-    from services.grpc_client import wait_for_serving
+    from rlmesh.services.grpc_client import wait_for_serving
 
     env_port, front_port = free_port(), free_port()
     procs = [_start(env_port)]

@@ -51,7 +51,7 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
     """The mesh path; `rollout` overrides the rollout config, `system` prepends a shared system prompt."""
     from bench.harness import rollout_harness
     from rlmesh.v1 import common_pb2
-    from services.queue import StreamQueue, connect
+    from rlmesh.services.queue import StreamQueue, connect
 
     rollout_cfg = {"max_tokens": max_tokens, "max_concurrent_groups": 256, "max_model_len": 256, **(rollout or {})}
     async with rollout_harness(model_dir, tmp, rollout=rollout_cfg, with_reward=True, rpc_timeout_s=60) as h:
@@ -95,8 +95,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from learner.tiny_model import write_tiny_model
-    from services.config import TinyModelSection
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
 
     tmp = Path(tempfile.mkdtemp(prefix="rlmesh-bench-"))
     model_dir = write_tiny_model(TinyModelSection(), tmp / "model")

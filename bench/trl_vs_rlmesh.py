@@ -27,8 +27,8 @@ DEMO = REPO / "examples" / "arithmetic_grpo.yaml"
 EVERY = 10  # checkpoint (and evaluation) interval in steps, both sides: the demo's checkpoint.every_n_steps
 
 if TYPE_CHECKING:
-    from learner.data import Example
-    from services.config import RunConfig
+    from rlmesh.learner.data import Example
+    from rlmesh.services.config import RunConfig
 
 
 def _env() -> dict[str, str]:
@@ -37,8 +37,8 @@ def _env() -> dict[str, str]:
 
 def _rewards(completions: list[str], answers: list[str]) -> list[float]:
     """The arithmetic environment's own scoring (reward = `correct` = exact integer answer)."""
-    from reward_server.environments.arithmetic import ArithmeticEnvironment
-    from reward_server.environments.base import ScoreInput
+    from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
+    from rlmesh.reward_server.environments.base import ScoreInput
 
     outs = ArithmeticEnvironment().score([ScoreInput(id=str(i), prompt=[], completion=c, metadata={"answer": a})
                                           for i, (c, a) in enumerate(zip(completions, answers))])
@@ -47,7 +47,7 @@ def _rewards(completions: list[str], answers: list[str]) -> list[float]:
 
 
 def lr_factor(step: int, config: RunConfig) -> float:
-    """rlmesh's learning-rate schedule (learner.controller.learning_rate) as a multiplier at `step`."""
+    """rlmesh's learning-rate schedule (rlmesh.learner.controller.learning_rate) as a multiplier at `step`."""
     cfg = config.learner
     if cfg.lr_schedule == "constant":
         return 1.0
@@ -60,7 +60,7 @@ def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Examp
     """Greedy completion of every held-out prompt with HF `generate`, scored by the environment."""
     from transformers.utils import logging as hf_logging
 
-    from learner.greedy import greedy_completions
+    from rlmesh.learner.recipes.greedy import greedy_completions
 
     hf_logging.disable_progress_bar()
     texts = greedy_completions(model_dir, eval_set, max_tokens, tokenizer_dir)
@@ -73,7 +73,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str]) -> dict[str, Any]:
     """`rlmesh up` on the demo config, its model replaced by the shared warm start."""
     import yaml
 
-    from learner.metrics import read_metrics
+    from rlmesh.learner.metrics import read_metrics
 
     raw = yaml.safe_load(DEMO.read_text())
     raw["model"] = {"type": "hf", "path": str(warm)}
@@ -84,7 +84,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str]) -> dict[str, Any]:
     run_dir = work / "rlmesh"
     t_launch = time.time()
     with open(work / "rlmesh.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "entrypoints.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
+        subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
                         "logging.progress=false", *overrides], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
     t_end = time.time()
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -129,8 +129,8 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from learner.data import load_dataset
-    from services.config import load_config
+    from rlmesh.learner.data import load_dataset
+    from rlmesh.services.config import load_config
 
     config = load_config(DEMO)
     if config.algorithm.name != "grpo":
@@ -140,7 +140,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     torch.set_num_threads(os.cpu_count() or 1)
     train_set, _ = load_dataset(config.data, config.run.seed)
     b, g = config.learner.groups_per_step, config.algorithm.group_size
-    # rlmesh issues train prompts in data order, cycling (learner.issuer): give TRL that same sequence.
+    # rlmesh issues train prompts in data order, cycling (rlmesh.learner.issuer): give TRL that same sequence.
     order = [train_set[i % len(train_set)] for i in range(config.learner.num_steps * b)]
     dataset = Dataset.from_list([{"prompt": ex.prompt_messages, "answer": str(ex.metadata["answer"])} for ex in order])
 
@@ -202,10 +202,10 @@ def time_to_target(side: dict, accuracy: dict[int, float], target: float) -> tup
 
 
 def check_same_prompts(warm: Path, eval_set: list[Example]) -> None:
-    """rlmesh renders prompts with services.chat.ChatCodec; TRL with `apply_chat_template`: same ids."""
+    """rlmesh renders prompts with rlmesh.domain.chat.ChatCodec; TRL with `apply_chat_template`: same ids."""
     from transformers import AutoTokenizer
 
-    from services.chat import ChatCodec
+    from rlmesh.domain.chat import ChatCodec
 
     tok = AutoTokenizer.from_pretrained(str(warm))
     codec = ChatCodec(tok)
@@ -269,8 +269,8 @@ def main() -> None:
                    args.t_launch)
         return
 
-    from learner.data import load_dataset
-    from services.config import load_config
+    from rlmesh.learner.data import load_dataset
+    from rlmesh.services.config import load_config
 
     config = load_config(DEMO)
     _, eval_set = load_dataset(config.data, config.run.seed)
@@ -280,7 +280,7 @@ def main() -> None:
     t0 = time.time()
     if not (warm / "config.json").is_file():
         print("warm start: rlmesh sft on the demo config", flush=True)
-        subprocess.run([sys.executable, "-m", "entrypoints.cli", "sft", "-c", str(DEMO), "--output", str(warm)],
+        subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "sft", "-c", str(DEMO), "--output", str(warm)],
                        check=True, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sft_s = time.time() - t0
     check_same_prompts(warm, eval_set)

@@ -30,8 +30,8 @@ SIZES = {"tiny": dict(), "100m": dict(hidden_size=1024, num_layers=9, num_heads=
 
 RAW_RECEIVER = """
 import json, sys
-from services.weights.gloo import join_group, receive
-from services.weights.wire import TensorMeta
+from rlmesh.services.weights.gloo import join_group, receive
+from rlmesh.services.weights.wire import TensorMeta
 spec = json.load(open(sys.argv[1]))
 metas = [TensorMeta(m[0], m[1], tuple(m[2])) for m in spec["metas"]]
 store, group = join_group("127.0.0.1", spec["port"], 1, 2, 99, 300)
@@ -42,9 +42,9 @@ for _ in range(spec["rounds"]):
 
 
 def raw_broadcast(named, rounds: int, tmp: Path) -> list[float]:
-    from services.config import WeightSyncSection
-    from services.weights.gloo import GlooTransport
-    from services.weights.wire import describe
+    from rlmesh.services.config import WeightSyncSection
+    from rlmesh.services.weights.gloo import GlooTransport
+    from rlmesh.services.weights.wire import describe
 
     transport = GlooTransport(WeightSyncSection(timeout_s=300))
     metas = describe(named)
@@ -66,9 +66,9 @@ def raw_broadcast(named, rounds: int, tmp: Path) -> list[float]:
 
 async def mesh_broadcast(model_dir: Path, named, rounds: int, tmp: Path) -> list[dict]:
     from bench.harness import rollout_harness
-    from learner.broadcast import WeightBroadcaster, WeightSource
-    from services.config import WeightSyncSection
-    from services.weights.gloo import GlooTransport
+    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+    from rlmesh.services.config import WeightSyncSection
+    from rlmesh.services.weights.gloo import GlooTransport
 
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)
@@ -95,8 +95,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
 
-    from learner.tiny_model import write_tiny_model
-    from services.config import TinyModelSection
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
 
     results = {}
     for size in args.sizes.split(","):

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "health":
         return _health(args)
-    from services.config import ConfigError, load_config
+    from rlmesh.services.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, args.overrides)
@@ -102,31 +102,31 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     if args.command == "up":
-        from entrypoints.up import run_up
+        from rlmesh.entrypoints.up import run_up
 
         return run_up(config, args)
     if args.command == "reward":
-        from reward_server.server import main as reward_main
+        from rlmesh.reward_server.server import main as reward_main
 
         return reward_main(config, args)
     if args.command == "rollout":
-        from rollout_server.server import main as rollout_main
+        from rlmesh.rollout_server.server import main as rollout_main
 
         return rollout_main(config, args)
     if args.command == "learner":
-        from learner.controller import main as learner_main
+        from rlmesh.learner.controller import main as learner_main
 
         return learner_main(config, args)
     if args.command == "sft":
-        from learner.sft import main as sft_main
+        from rlmesh.learner.recipes.sft import main as sft_main
 
         return sft_main(config, args)
     if args.command == "dpo":
-        from learner.dpo import main as dpo_main
+        from rlmesh.learner.recipes.dpo import main as dpo_main
 
         return dpo_main(config, args)
     if args.command == "tiny-model":
-        from learner.tiny_model import write_tiny_model
+        from rlmesh.learner.devtools.tiny_model import write_tiny_model
 
         write_tiny_model(config.model, args.output, seed=config.run.seed)
         print(args.output)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 def _health(args: argparse.Namespace) -> int:
     import asyncio
 
-    from services.grpc_client import wait_for_serving
+    from rlmesh.services.grpc_client import wait_for_serving
 
     try:
         asyncio.run(wait_for_serving(args.address, what="server", timeout_s=args.timeout, service=args.service))
@@ -151,7 +151,7 @@ def _health(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from learner.checkpoint import export_hf, find_checkpoint
+    from rlmesh.learner.train.checkpoint import export_hf, find_checkpoint
 
     try:
         checkpoint = find_checkpoint(Path(args.run_dir), args.step)

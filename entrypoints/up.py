@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config import RunConfig, dump_config
-from services.ports import free_port
+from rlmesh.services.config import RunConfig, dump_config
+from rlmesh.services.ports import free_port
 
 log = logging.getLogger("rlmesh.up")
 
@@ -64,7 +64,7 @@ class Mesh:
 
     @staticmethod
     def _popen(argv: list[str], launcher: list[str] | None, log_path: Path) -> subprocess.Popen:
-        cmd = [sys.executable, *(launcher or []), "-m", "entrypoints.cli", *argv]
+        cmd = [sys.executable, *(launcher or []), "-m", "rlmesh.entrypoints.cli", *argv]
         return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=os.getcwd())
 
@@ -105,7 +105,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def run_up(config: RunConfig, args: argparse.Namespace) -> int:
-    from services.telemetry import setup_logging
+    from rlmesh.services.telemetry import setup_logging
 
     setup_logging("up", config.logging.level)
     run_dir = Path(args.run_dir) if args.run_dir else Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -137,7 +137,7 @@ def run_up(config: RunConfig, args: argparse.Namespace) -> int:
 
 def _check_model_path(config: RunConfig) -> None:
     """Fail before starting anything when model.path names a local directory that is not there."""
-    from services.config import HFModelSection
+    from rlmesh.services.config import HFModelSection
 
     if not isinstance(config.model, HFModelSection):
         return
@@ -149,12 +149,12 @@ def _check_model_path(config: RunConfig) -> None:
 
 
 def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
-    from services.config import HFModelSection
+    from rlmesh.services.config import HFModelSection
 
     _check_model_path(config)
     resolved = config.model_copy(deep=True)
     if config.queue.url == "embedded":
-        from services.valkey import start_embedded_valkey
+        from rlmesh.services.valkey import start_embedded_valkey
 
         mesh.valkey = start_embedded_valkey(run_dir / "valkey")
         resolved.queue.url = mesh.valkey.connection_url
@@ -200,7 +200,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
 
 
 def _wait_serving(mesh: Mesh, host: str, ports: dict[str, int]) -> None:
-    from services.grpc_client import ExitedWhileStarting, wait_for_serving
+    from rlmesh.services.grpc_client import ExitedWhileStarting, wait_for_serving
 
     services = {svc.name: svc for svc in mesh.services}
     for name, port in ports.items():
@@ -251,7 +251,7 @@ def tqdm_write(text: str) -> None:
 def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> int:
     from tqdm import tqdm
 
-    from learner.metrics import read_metrics
+    from rlmesh.learner.metrics import read_metrics
 
     bar = tqdm(total=config.learner.num_steps, desc="GRPO", unit="step", disable=not config.logging.progress,
                dynamic_ncols=True)

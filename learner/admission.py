@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from rlmesh.v1 import common_pb2
-from services.queue import Entry, StreamQueue
+from rlmesh.services.queue import Entry, StreamQueue
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from learner.membership import Generator, Membership
+from rlmesh.learner.membership import Generator, Membership
 from rlmesh.v1 import rollout_pb2
-from services.config import WeightSyncSection
+from rlmesh.services.config import WeightSyncSection
 
 if TYPE_CHECKING:
     import torch
 
-    from services.weights.base import WeightTransport
-    from services.weights.wire import TensorMeta
+    from rlmesh.services.weights.base import WeightTransport
+    from rlmesh.services.weights.wire import TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class WeightSource:
     @classmethod
     def of(cls, named: list[tuple[str, torch.Tensor]]) -> WeightSource:
         """A source over tensors already in memory (tests, tools)."""
-        from services.weights.wire import describe
+        from rlmesh.services.weights.wire import describe
 
         return cls(lambda: describe(named), lambda: iter(named))
 

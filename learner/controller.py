@@ -1,7 +1,7 @@
 """`rlmesh learner`: the controller. Owns setup, resume and the main loop on rank 0 — issue prompt
 groups within the staleness bound, admit trajectory groups, train, broadcast weights, evaluate,
 checkpoint, ack — and wires the components, none of which import it. Other ranks only follow
-rank 0's training commands (`learner.trainer`)."""
+rank 0's training commands (`rlmesh.learner.train.trainer`)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ from pathlib import Path
 import uvloop
 from google.protobuf.message import DecodeError
 
-from learner.admission import Admission, staleness
-from learner.data import load_dataset
-from learner.evaluator import Arrivals, Evaluator, episode_stats
-from learner.issuer import PromptIssuer
-from learner.membership import LearnerService, Membership
+from rlmesh.learner.admission import Admission, staleness
+from rlmesh.learner.data import load_dataset
+from rlmesh.learner.evaluator import Arrivals, Evaluator, episode_stats
+from rlmesh.learner.issuer import PromptIssuer
+from rlmesh.learner.membership import LearnerService, Membership
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-from services.auth import TLSFiles, load_token
-from services.config import HFModelSection, RunConfig
-from services.grpc_server import start_server
-from services.queue import StreamQueue, connect
-from services.telemetry import setup_logging
+from rlmesh.services.auth import TLSFiles, load_token
+from rlmesh.services.config import HFModelSection, RunConfig
+from rlmesh.services.grpc_server import start_server
+from rlmesh.services.queue import StreamQueue, connect
+from rlmesh.services.telemetry import setup_logging
 
 log = logging.getLogger("rlmesh.learner")
 SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
@@ -69,10 +69,10 @@ class Controller:
     async def setup(self, port: int) -> None:
         from transformers import AutoTokenizer
 
-        from learner.broadcast import WeightBroadcaster, WeightSource
-        from learner.metrics import MetricsWriter
-        from learner.trainer import Trainer
-        from services.weights.base import build_transport
+        from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+        from rlmesh.learner.metrics import MetricsWriter
+        from rlmesh.learner.train.trainer import Trainer
+        from rlmesh.services.weights.base import build_transport
 
         cfg = self.config
         token = load_token(cfg.network.token_file, cfg.network.token_env)
@@ -119,7 +119,7 @@ class Controller:
         """Continue from the newest durable checkpoint, if any: restore weights, optimizer, RNG,
         version, data cursor and the trained group ids, then replay this consumer's unacked
         trajectories (trained after that checkpoint, or never trained) through admission."""
-        from learner.checkpoint import latest_checkpoint, load_trainer_state
+        from rlmesh.learner.train.checkpoint import latest_checkpoint, load_trainer_state
 
         ckpt = latest_checkpoint(self.run_dir / "checkpoints")
         if ckpt is None:
@@ -225,7 +225,7 @@ class Controller:
     # --- main loop -------------------------------------------------------------------------------
 
     async def _checkpoint(self) -> Path:
-        from learner.checkpoint import save_checkpoint
+        from rlmesh.learner.train.checkpoint import save_checkpoint
 
         a = self.admission
         state = {"trained_groups": sorted(a.trained_groups), "run_id": self.run_id, "train_cursor": self.issuer.cursor,
@@ -338,7 +338,7 @@ class Controller:
                  record["reward_mean"], record["staleness_max"], record.get("mismatch_kl", 0.0), record["tokens_per_s"])
 
     async def _summary(self, before: dict, after: dict, checkpoint: Path) -> dict:
-        from services.weights.wire import weights_digest
+        from rlmesh.services.weights.wire import weights_digest
 
         a, first = self.admission, self.first_eval or before
         learner_digest = await self._torch(lambda: weights_digest(self.trainer.stream_weights(),
@@ -371,7 +371,7 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
     await controller.setup(port)
     try:
         summary = await controller.train()
-        from learner.metrics import plot_reward_curve
+        from rlmesh.learner.metrics import plot_reward_curve
 
         plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
         log.info("done: %s", json.dumps(summary))
@@ -387,7 +387,7 @@ def follow(config: RunConfig) -> None:
     """A training rank other than 0: build the same model, then run rank 0's commands."""
     from transformers import AutoTokenizer
 
-    from learner.trainer import Trainer
+    from rlmesh.learner.train.trainer import Trainer
 
     setup_logging(f"learner-rank{os.environ.get('RANK')}", config.logging.level)
     path = require_model_path(config)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.config import ArithmeticDataSection, CalculatorDataSection, DataSection, JsonlDataSection
-from services.tasks import ADD_TOOL, calculator_prompt
+from rlmesh.services.config import ArithmeticDataSection, CalculatorDataSection, DataSection, JsonlDataSection
+from rlmesh.domain.tasks import ADD_TOOL, calculator_prompt
 
 
 @dataclass(frozen=True)

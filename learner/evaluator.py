@@ -11,10 +11,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from learner.data import Example
-from learner.issuer import PromptIssuer
+from rlmesh.learner.data import Example
+from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.v1 import common_pb2
-from services.queue import Entry, StreamQueue
+from rlmesh.services.queue import Entry, StreamQueue
 
 log = logging.getLogger(__name__)
 

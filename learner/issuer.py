@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from google.protobuf.struct_pb2 import Struct
 
-from learner.data import Example
+from rlmesh.learner.data import Example
 from rlmesh.v1 import common_pb2
-from services.queue import StreamQueue
+from rlmesh.services.queue import StreamQueue
 
 
 class PromptIssuer:

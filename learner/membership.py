@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
-from services.grpc_client import make_channel
+from rlmesh.services.grpc_client import make_channel
 
 log = logging.getLogger(__name__)
 

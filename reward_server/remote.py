@@ -13,10 +13,10 @@ import logging
 
 import grpc
 
-from reward_server.environments.base import nonfinite_error
-from reward_server.sessions import SessionError
+from rlmesh.reward_server.environments.base import nonfinite_error
+from rlmesh.reward_server.sessions import SessionError
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.grpc_client import make_channel
+from rlmesh.services.grpc_client import make_channel
 
 log = logging.getLogger(__name__)
 

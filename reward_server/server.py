@@ -7,14 +7,14 @@ import os
 
 import uvloop
 
-from reward_server.environments.mcp_tools import McpToolEnvironment
-from reward_server.environments.openenv_remote import OpenEnvEnvironment
-from reward_server.service import BUILTIN, RewardService
+from rlmesh.reward_server.environments.mcp_tools import McpToolEnvironment
+from rlmesh.reward_server.environments.openenv_remote import OpenEnvEnvironment
+from rlmesh.reward_server.service import BUILTIN, RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.auth import TLSFiles, load_token
-from services.config import RunConfig
-from services.grpc_server import start_server
-from services.telemetry import setup_logging
+from rlmesh.services.auth import TLSFiles, load_token
+from rlmesh.services.config import RunConfig
+from rlmesh.services.grpc_server import start_server
+from rlmesh.services.telemetry import setup_logging
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 

@@ -4,7 +4,7 @@ Local environments (built-in ones and user functions) run through an `EnvRunner`
 pool of worker threads with a timeout, so a hung or slow environment fails its own items and never
 starves the others. Remote environments are proxied to the server registered for them. Sessions
 (`Reset`/`Step`/`Close`) are routed by their id, which names this replica and the environment (see
-`reward_server.sessions`, which also says how sessions stay on one replica when scaled out).
+`rlmesh.reward_server.sessions`, which also says how sessions stay on one replica when scaled out).
 
 Errors: `Score` never fails as a call for what an environment does; every item gets a result, with
 `error` set when it could not be scored (an environment that raised, hung, returned NaN, or a
@@ -27,16 +27,16 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from reward_server.environments.arithmetic import ArithmeticEnvironment
-from reward_server.environments.base import Message, ScoreInput, is_multi_turn, nonfinite_error
-from reward_server.environments.calculator import CalculatorEnvironment
-from reward_server.environments.function import FunctionEnvironment, load_callable
-from reward_server.environments.guess_number import GuessNumberEnvironment
-from reward_server.remote import RemoteEnvironment
-from reward_server.runner import EnvironmentTimeout, EnvRunner
-from reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
+from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
+from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi_turn, nonfinite_error
+from rlmesh.reward_server.environments.calculator import CalculatorEnvironment
+from rlmesh.reward_server.environments.function import FunctionEnvironment, load_callable
+from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
+from rlmesh.reward_server.remote import RemoteEnvironment
+from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
+from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.chat import as_dicts as to_messages
+from rlmesh.domain.chat import as_dicts as to_messages
 
 log = logging.getLogger(__name__)
 

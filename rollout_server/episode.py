@@ -31,12 +31,12 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.v1 import common_pb2, reward_pb2
-from services.chat import ChatCodec, as_dicts
+from rlmesh.domain.chat import ChatCodec, as_dicts
 
 if TYPE_CHECKING:
-    from rollout_server.generator import VLLMGenerator
-    from rollout_server.reward_client import Replica, RewardPool
-    from services.config import EpisodeSection
+    from rlmesh.rollout_server.generator import VLLMGenerator
+    from rlmesh.rollout_server.reward_client import Replica, RewardPool
+    from rlmesh.services.config import EpisodeSection
 
 log = logging.getLogger(__name__)
 

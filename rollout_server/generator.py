@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlmesh.v1 import common_pb2
-from services.affinity import pin_to_cores
+from rlmesh.services.affinity import pin_to_cores
 
 if TYPE_CHECKING:
-    from services.config import RolloutSection
+    from rlmesh.services.config import RolloutSection
 
 log = logging.getLogger(__name__)
 

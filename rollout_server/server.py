@@ -11,17 +11,17 @@ import grpc
 import uvloop
 
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from rollout_server.episode import EpisodeRunner
-from rollout_server.generator import VLLMGenerator
-from rollout_server.reward_client import Replica, RewardPool
-from rollout_server.service import RolloutService
-from rollout_server.worker import RolloutWorker
-from services.auth import TLSFiles, load_token
-from services.config import HFModelSection, RunConfig
-from services.grpc_client import make_channel
-from services.grpc_server import start_server
-from services.queue import StreamQueue, connect
-from services.telemetry import setup_logging
+from rlmesh.rollout_server.episode import EpisodeRunner
+from rlmesh.rollout_server.generator import VLLMGenerator
+from rlmesh.rollout_server.reward_client import Replica, RewardPool
+from rlmesh.rollout_server.service import RolloutService
+from rlmesh.rollout_server.worker import RolloutWorker
+from rlmesh.services.auth import TLSFiles, load_token
+from rlmesh.services.config import HFModelSection, RunConfig
+from rlmesh.services.grpc_client import make_channel
+from rlmesh.services.grpc_server import start_server
+from rlmesh.services.queue import StreamQueue, connect
+from rlmesh.services.telemetry import setup_logging
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 # weight_sync.backend -> the vLLM weight-transfer engine that receives it.

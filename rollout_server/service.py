@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc
-from rollout_server.generator import VLLMGenerator
+from rlmesh.rollout_server.generator import VLLMGenerator
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
                                 f"backend={request.backend!r}: this server's vLLM engine receives over "
                                 f"{self.transport!r}; start learner and rollout servers with the same weight_sync.backend")
         if self.transport == "nccl":
-            from services.weights.nccl import worker_init_info
+            from rlmesh.services.weights.nccl import worker_init_info
 
             init_info = worker_init_info(request.master_address, request.master_port, request.rank_offset,
                                          request.world_size)
@@ -99,7 +99,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if self._store is None:  # one client per broadcast group, not one per update
             self._store = dist.TCPStore(r["master_address"], r["master_port"], is_master=False,
                                         timeout=timedelta(seconds=30), wait_for_workers=False)
-        from services.weights.gloo import digest_key
+        from rlmesh.services.weights.gloo import digest_key
 
         return self._store.get(digest_key(r["group_epoch"], version, r["rank_offset"])).decode()
 

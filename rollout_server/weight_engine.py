@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import (
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "rlmesh_gloo"  # == services.weights.gloo.ENGINE
+BACKEND_NAME = "rlmesh_gloo"  # == rlmesh.services.weights.gloo.ENGINE
 
 
 @dataclass
@@ -55,7 +55,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._epoch = -1
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        from services.weights.gloo import join_group
+        from rlmesh.services.weights.gloo import join_group
 
         self.shutdown()
         # One inference worker per tensor-parallel rank; the learner is rank 0.
@@ -82,8 +82,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        from services.weights.gloo import digest_key, receive
-        from services.weights.wire import TensorMeta
+        from rlmesh.services.weights.gloo import digest_key, receive
+        from rlmesh.services.weights.wire import TensorMeta
 
         if self._group is None:
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")

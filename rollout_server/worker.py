@@ -17,10 +17,10 @@ import time
 from google.protobuf.message import DecodeError
 
 from rlmesh.v1 import common_pb2, reward_pb2
-from rollout_server.episode import EpisodeRunner
-from rollout_server.generator import VLLMGenerator
-from rollout_server.reward_client import MULTI_TURN, RewardPool
-from services.queue import Entry, StreamQueue
+from rlmesh.rollout_server.episode import EpisodeRunner
+from rlmesh.rollout_server.generator import VLLMGenerator
+from rlmesh.rollout_server.reward_client import MULTI_TURN, RewardPool
+from rlmesh.services.queue import Entry, StreamQueue
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.auth import TLSFiles
-from services.grpc_server import channel_options
-from services.telemetry import inject_metadata
+from rlmesh.services.auth import TLSFiles
+from rlmesh.services.grpc_server import channel_options
+from rlmesh.services.telemetry import inject_metadata
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from services.auth import TLSFiles, token_matches
-from services.telemetry import extract_context, tracer
+from rlmesh.services.auth import TLSFiles, token_matches
+from rlmesh.services.telemetry import extract_context, tracer
 
 log = logging.getLogger(__name__)
 

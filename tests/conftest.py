@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def valkey_url():
-    from services.valkey import start_embedded_valkey
+    from rlmesh.services.valkey import start_embedded_valkey
 
     server = start_embedded_valkey()
     yield server.connection_url
@@ -22,14 +22,14 @@ def valkey_url():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from learner.tiny_model import write_tiny_model
-    from services.config import TinyModelSection
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
 
     return write_tiny_model(TinyModelSection(), tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 def rlmesh_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "entrypoints.cli", *args]
+    return [sys.executable, "-m", "rlmesh.entrypoints.cli", *args]
 
 
 @pytest.fixture

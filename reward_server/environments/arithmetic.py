@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from reward_server.environments.base import ScoreInput, ScoreOutput, as_int
+from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput, as_int
 
 _INT = re.compile(r"-?\d+")
 

@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
-from reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
-from services.tasks import ADD_TOOL, calculator_prompt
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
+from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
+from rlmesh.domain.tasks import ADD_TOOL, calculator_prompt
 
 _INT = re.compile(r"-?\d+")
 

@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from reward_server.environments.base import ScoreInput, ScoreOutput
+from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
 
 
 def load_callable(path: str) -> Callable[..., Any]:

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
 
 _INT = re.compile(r"-?\d+")
 

@@ -24,10 +24,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
-from reward_server.environments.function import load_callable
-from reward_server.environments.loop_thread import LoopThread
-from reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
+from rlmesh.reward_server.environments.function import load_callable
+from rlmesh.reward_server.environments.loop_thread import LoopThread
+from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
 
 _INT = re.compile(r"-?\d+")
 

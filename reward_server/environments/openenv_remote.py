@@ -22,9 +22,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
-from reward_server.environments.function import load_callable
-from reward_server.environments.loop_thread import LoopThread
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
+from rlmesh.reward_server.environments.function import load_callable
+from rlmesh.reward_server.environments.loop_thread import LoopThread
 
 
 @dataclass

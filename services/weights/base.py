@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from services.config import WeightSyncSection
-    from services.weights.wire import TensorMeta
+    from rlmesh.services.config import WeightSyncSection
+    from rlmesh.services.weights.wire import TensorMeta
 
 
 class WeightTransport(Protocol):
@@ -39,11 +39,11 @@ class WeightTransport(Protocol):
 
 def build_transport(cfg: WeightSyncSection) -> WeightTransport:
     if cfg.backend == "gloo":
-        from services.weights.gloo import GlooTransport
+        from rlmesh.services.weights.gloo import GlooTransport
 
         return GlooTransport(cfg)
     if cfg.backend == "nccl":
-        from services.weights.nccl import NCCLTransport
+        from rlmesh.services.weights.nccl import NCCLTransport
 
         return NCCLTransport(cfg)
     raise ValueError(f"weight_sync.backend={cfg.backend!r}; choose gloo or nccl")

@@ -12,8 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.config import WeightSyncSection
-from services.weights.wire import TensorMeta, buckets, flat_buckets, unflatten
+from rlmesh.services.config import WeightSyncSection
+from rlmesh.services.weights.wire import TensorMeta, buckets, flat_buckets, unflatten
 
 ENGINE = "rlmesh_gloo"
 

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 
 import torch
 
-from services.config import WeightSyncSection
-from services.ports import free_port
-from services.weights.wire import TensorMeta
+from rlmesh.services.config import WeightSyncSection
+from rlmesh.services.ports import free_port
+from rlmesh.services.weights.wire import TensorMeta
 
 ENGINE = "nccl"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from learner.metrics import surviving_lineage
+from rlmesh.learner.metrics import surviving_lineage
 
 pytestmark = pytest.mark.containers
 

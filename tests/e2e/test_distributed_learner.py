@@ -21,7 +21,7 @@ def _learner_rank(up: Up, rank: int) -> psutil.Process | None:
     up.poll_children()
     for proc in up.seen.values():
         try:
-            if "entrypoints.cli learner" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
+            if "rlmesh.entrypoints.cli learner" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
                 return proc
         except psutil.NoSuchProcess:
             continue
@@ -29,7 +29,7 @@ def _learner_rank(up: Up, rank: int) -> psutil.Process | None:
 
 
 def test_killed_learner_rank_is_restarted_and_the_run_completes_exactly_once(tmp_path, valkey_url):
-    from learner.metrics import surviving_lineage
+    from rlmesh.learner.metrics import surviving_lineage
 
     run_dir = tmp_path / "run"
     streams = f"k{time.monotonic_ns()}"

@@ -18,8 +18,8 @@ import psutil
 import pytest
 import redis
 
-from learner.metrics import read_metrics, surviving_lineage
-from services.ports import free_port
+from rlmesh.learner.metrics import read_metrics, surviving_lineage
+from rlmesh.services.ports import free_port
 from tests.e2e.test_mesh import Up, _cmdline
 
 pytestmark = pytest.mark.faults

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from reward_server.environments.base import ResetOutput, StepOutput
+from rlmesh.reward_server.environments.base import ResetOutput, StepOutput
 
 LOOKUP_TOOL = {"type": "function", "function": {
     "name": "lookup", "description": "Look a number up.",

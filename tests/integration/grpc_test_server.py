@@ -8,7 +8,7 @@ import uvloop
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.grpc_server import start_server
+from rlmesh.services.grpc_server import start_server
 
 
 class SlowReward(reward_pb2_grpc.RewardServiceServicer):

@@ -46,7 +46,7 @@ def drive(trainer, args: argparse.Namespace, after_step: Callable[[int], None] |
     losses, metrics, saved = [], [], None
     for i in range(args.steps):
         if args.save and i == args.steps_before_save:
-            from learner.checkpoint import save_checkpoint
+            from rlmesh.learner.train.checkpoint import save_checkpoint
 
             save_checkpoint(Path(args.save), i, trainer, args.model_dir, {"trained_groups": []}, keep_last=1,
                             hf_model=False)

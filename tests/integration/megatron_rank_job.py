@@ -39,7 +39,7 @@ def check_logprobs(backend, seqs, model_dir: Path, micro_batch_size: int) -> flo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.batch import plan_step
+    from rlmesh.learner.train.batch import plan_step
 
     micros = plan_step(seqs, micro_batch_size, 0, backend.dp_rank, backend.dp_size)
     got = [backend.compute_logprobs(m, 1.0) for m in micros]

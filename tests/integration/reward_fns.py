@@ -3,7 +3,7 @@ import path)."""
 
 import time
 
-from reward_server.environments.base import ResetOutput, StepOutput
+from rlmesh.reward_server.environments.base import ResetOutput, StepOutput
 
 
 def length_reward(prompt, completion, metadata):

@@ -20,11 +20,11 @@ import pytest_asyncio
 import yaml
 from google.protobuf.struct_pb2 import Struct
 
-from learner.batch import Sequence, pack
-from learner.membership import LearnerService, Membership
+from rlmesh.learner.train.batch import Sequence, pack
+from rlmesh.learner.membership import LearnerService, Membership
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-from services.grpc_server import start_server
-from services.ports import free_port
+from rlmesh.services.grpc_server import start_server
+from rlmesh.services.ports import free_port
 from tests.integration.env_servers import start_mcp_server, start_openenv_server
 
 pytestmark = pytest.mark.integration
@@ -36,21 +36,21 @@ MAX_TURNS = 3
 
 @pytest.fixture(scope="module")
 def bpe_model_dir(tmp_path_factory) -> Path:
-    from learner.tiny_model import write_tiny_model
-    from services.config import TinyModelSection
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
 
     return write_tiny_model(TinyModelSection(tokenizer="bpe"), tmp_path_factory.mktemp("bpe") / "model", seed=0)
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "entrypoints.cli", *args], stdout=log.open("wb"),
+    return subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", *args], stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
-    from services.queue import StreamQueue, connect
+    from rlmesh.services.queue import StreamQueue, connect
 
     tmp = tmp_path_factory.mktemp("episodes")
     membership = Membership(token=None, rpc_timeout_s=60)

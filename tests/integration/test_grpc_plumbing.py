@@ -14,7 +14,7 @@ from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.grpc_client import make_channel
+from rlmesh.services.grpc_client import make_channel
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cret"

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
-from services.ports import free_port
+from rlmesh.services.ports import free_port
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "entrypoints.cli", *args], stdout=log.open("ab"),
+    return subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", *args], stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
                             start_new_session=True)
 
@@ -81,7 +81,7 @@ def test_learner_crash_resumes_without_losing_or_repeating_trajectories(tiny_mod
     assert summary["resumed_from"] == resumed_from and summary["num_steps"] == 8
     assert f"resumed from step_{resumed_from:06d}" in logs["learner"].read_text()
 
-    from learner.metrics import surviving_lineage
+    from rlmesh.learner.metrics import surviving_lineage
 
     rows = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
     first_run, second_run = rows[:lines_before], rows[lines_before:]

@@ -15,12 +15,12 @@ import pytest_asyncio
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 
-from reward_server.environments.mcp_tools import McpToolEnvironment
-from reward_server.service import RewardService
+from rlmesh.reward_server.environments.mcp_tools import McpToolEnvironment
+from rlmesh.reward_server.service import RewardService
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.grpc_client import make_channel
-from services.grpc_server import start_server
-from services.ports import free_port
+from rlmesh.services.grpc_client import make_channel
+from rlmesh.services.grpc_server import start_server
+from rlmesh.services.ports import free_port
 from tests.integration.env_servers import start_mcp_server
 
 pytestmark = pytest.mark.integration

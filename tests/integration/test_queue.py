@@ -10,13 +10,13 @@ import uuid
 
 import pytest
 
-from services.queue import QueueFullError, StreamQueue, connect
+from rlmesh.services.queue import QueueFullError, StreamQueue, connect
 
 pytestmark = pytest.mark.integration
 
 HOLDER = """
 import asyncio, sys
-from services.queue import StreamQueue, connect
+from rlmesh.services.queue import StreamQueue, connect
 async def main(url, stream, count):
     q = StreamQueue(connect(url), stream, max_len=100000, claim_idle_ms=300)
     held = await q.read("doomed", count=int(count), block_ms=5000)

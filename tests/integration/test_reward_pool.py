@@ -3,11 +3,11 @@ them and move on when one is down; an episode's session stays on the replica tha
 
 import pytest
 
-from reward_server.service import RewardService
+from rlmesh.reward_server.service import RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from rollout_server.reward_client import MULTI_TURN, Replica, RewardPool
-from services.grpc_client import make_channel
-from services.grpc_server import start_server
+from rlmesh.rollout_server.reward_client import MULTI_TURN, Replica, RewardPool
+from rlmesh.services.grpc_client import make_channel
+from rlmesh.services.grpc_server import start_server
 
 pytestmark = pytest.mark.integration
 

@@ -15,12 +15,12 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from learner.broadcast import WeightBroadcaster, WeightSource
-from learner.membership import LearnerService, Membership
+from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+from rlmesh.learner.membership import LearnerService, Membership
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2
-from services.config import WeightSyncSection
-from services.grpc_server import start_server
-from services.ports import free_port
+from rlmesh.services.config import WeightSyncSection
+from rlmesh.services.grpc_server import start_server
+from rlmesh.services.ports import free_port
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -49,9 +49,9 @@ async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     logs = {name: (tmp / f"{name}.log").open("wb") for name in ("reward", "rollout")}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "entrypoints.cli", "reward", "-c", str(cfg_path), "--port", str(reward_port)],
+        subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", "reward", "-c", str(cfg_path), "--port", str(reward_port)],
                          stdout=logs["reward"], stderr=subprocess.STDOUT, env=env, start_new_session=True),
-        subprocess.Popen([sys.executable, "-m", "entrypoints.cli", "rollout", "-c", str(cfg_path), "--port", "0",
+        subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", "rollout", "-c", str(cfg_path), "--port", "0",
                           "--generator-id", "gen-0"], stdout=logs["rollout"], stderr=subprocess.STDOUT, env=env,
                          start_new_session=True),
     ]
@@ -60,7 +60,7 @@ async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
         assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "rollout server did not register in 300s"
         await asyncio.sleep(0.5)
-    from services.weights.gloo import GlooTransport
+    from rlmesh.services.weights.gloo import GlooTransport
 
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)
@@ -138,7 +138,7 @@ async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_mode
 
     status = await mesh["stub"].GetStatus(rollout_pb2.RolloutStatusRequest(include_weights_hash=True))
     assert status.version == 1 and not status.paused
-    from services.weights.wire import weights_digest
+    from rlmesh.services.weights.wire import weights_digest
 
     assert status.weights_sha256 == weights_digest(named) == mesh["broadcaster"].last_digest
 
@@ -160,7 +160,7 @@ async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_mode
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_queue_worker_turns_prompts_into_scored_trajectories(mesh):
-    from services.queue import StreamQueue, connect
+    from rlmesh.services.queue import StreamQueue, connect
     from google.protobuf.struct_pb2 import Struct
 
     cfg = mesh["config"]

@@ -17,8 +17,8 @@ if __name__ == "__main__":
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
-    from learner.tiny_model import write_tiny_model
-    from services.config import TinyModelSection
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
     path = write_tiny_model(TinyModelSection(arch=sys.argv[1]), sys.argv[2], seed=3)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,

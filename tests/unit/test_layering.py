@@ -1,44 +1,137 @@
-"""The import graph keeps its shape: `services/` (the ground every tier stands on) imports no tier,
-tiers do not import each other, and no learner component imports the controller. Read from the
-source with `ast`, so a lazy import inside a function counts too."""
+"""The import graph keeps its shape. Everything lives under one import root, `rlmesh`, and each
+layer may import only the layers named for it in `ALLOWED` (the README's Layout section says the
+same in words). Read from the source with `ast`, so a lazy import inside a function counts too."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TIERS = ("learner", "rollout_server", "reward_server", "entrypoints")
+
+# folder -> the dotted package it is installed as (pyproject.toml's package-dir)
+ROOTS = {
+    "proto/rlmesh": "rlmesh",
+    "services": "rlmesh.services",
+    "learner": "rlmesh.learner",
+    "rollout_server": "rlmesh.rollout_server",
+    "reward_server": "rlmesh.reward_server",
+    "entrypoints": "rlmesh.entrypoints",
+}
+OLD_TOP_LEVEL = ("services", "learner", "rollout_server", "reward_server", "entrypoints")
+
+V1, DOMAIN, SERVICES = "rlmesh.v1", "rlmesh.domain", "rlmesh.services"
+ENGINE = "rlmesh.learner.train"
+LEARNER_SHARED = ("rlmesh.learner.data", "rlmesh.learner.metrics")
+
+# Layers, most specific prefix first: a module belongs to the first layer its name starts with.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("rlmesh.v1", (V1,)),
+    ("rlmesh.domain", (V1, DOMAIN)),
+    ("rlmesh.services", (V1, SERVICES)),
+    ("rlmesh.learner.train", (V1, DOMAIN, SERVICES, ENGINE)),
+    ("rlmesh.learner.devtools", (V1, DOMAIN, SERVICES, "rlmesh.learner.devtools")),
+    ("rlmesh.learner.data", (V1, DOMAIN, SERVICES, "rlmesh.learner.data")),
+    ("rlmesh.learner.metrics", (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics")),
+    ("rlmesh.learner.recipes", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED,
+                                "rlmesh.learner.devtools", "rlmesh.learner.recipes")),
+    # the RL learner service: controller, builder and the components they wire
+    ("rlmesh.learner", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED, "rlmesh.learner")),
+    ("rlmesh.rollout_server", (V1, DOMAIN, SERVICES, "rlmesh.rollout_server")),
+    ("rlmesh.reward_server", (V1, DOMAIN, SERVICES, "rlmesh.reward_server")),
+    ("rlmesh.entrypoints", ("rlmesh",)),
+    # the package root: the light Python API facade, which forwards to rlmesh.entrypoints.api
+    ("rlmesh", (V1, "rlmesh.entrypoints.api")),
+]
+# Inside an allowed prefix, what a layer still may not import.
+DENIED = {"rlmesh.learner": ("rlmesh.learner.recipes", "rlmesh.learner.devtools")}
+# The learner service's modules that wire the others; no component may import them.
+DRIVERS = ("rlmesh.learner.controller", "rlmesh.learner.builder")
 
 
-def imports(package: str) -> dict[str, set[str]]:
-    """module file -> top-level-qualified names it imports."""
+def _module_name(path: Path) -> str:
+    for folder, package in ROOTS.items():
+        base = REPO / folder
+        if base in path.parents:
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            return ".".join([package, *parts])
+    raise AssertionError(f"{path} is under no package root")
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            # `from rlmesh.learner import controller` imports rlmesh.learner.controller
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def source_modules() -> dict[str, set[str]]:
+    """dotted module name -> the rlmesh names it imports (generated code excluded)."""
     out = {}
-    for path in (REPO / package).rglob("*.py"):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module)
-        out[str(path.relative_to(REPO))] = names
+    for folder in ROOTS:
+        for path in (REPO / folder).rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            out[_module_name(path)] = {n for n in _imports(path) if _within(n, "rlmesh")}
     return out
 
 
-def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
-    return [f"{f} imports {n}" for f, names in imports(package).items() for n in sorted(names)
-            if n.split(".")[0] in forbidden]
+def layer_of(module: str) -> tuple[str, tuple[str, ...]]:
+    return next((name, allowed) for name, allowed in LAYERS if _within(module, name))
 
 
-def test_services_imports_no_tier():
-    assert not _offenders("services", TIERS)
+def violations(modules: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, names in sorted(modules.items()):
+        layer, allowed = layer_of(module)
+        for name in sorted(names):
+            # `from rlmesh.x import y` also lists rlmesh.x.y, which may be a function, not a module
+            if not any(_within(name, a) or _within(a, name) for a in allowed) \
+                    or any(_within(name, d) for d in DENIED.get(layer, ())):
+                bad.append(f"{module} ({layer}) imports {name}")
+            if any(_within(name, d) for d in DRIVERS) and not any(_within(module, d) for d in DRIVERS) \
+                    and layer != "rlmesh.entrypoints":
+                bad.append(f"{module} imports the learner's driver {name}")
+    return bad
 
 
-def test_tiers_do_not_import_each_other():
-    assert not _offenders("learner", ("rollout_server", "reward_server", "entrypoints"))
-    assert not _offenders("rollout_server", ("learner", "reward_server", "entrypoints"))
-    assert not _offenders("reward_server", ("learner", "rollout_server", "entrypoints"))
+def test_every_layer_imports_only_what_it_may():
+    assert violations(source_modules()) == []
 
 
-def test_no_learner_component_imports_the_controller():
-    bad = [f"{f} imports the controller" for f, names in imports("learner").items()
-           if f != "learner/controller.py" and "learner.controller" in names]
-    assert not bad
+def test_nothing_imports_the_old_top_level_names():
+    """`services`, `learner`, ... exist only as `rlmesh.*`: a bare import would load a second copy."""
+    bad = []
+    for path in REPO.rglob("*.py"):
+        if ".venv" in path.parts or "_pb2" in path.name:
+            continue
+        for name in _imports(path):
+            if name.split(".")[0] in OLD_TOP_LEVEL:
+                bad.append(f"{path.relative_to(REPO)} imports {name}")
+    assert bad == []
+
+
+def test_a_planted_back_import_is_caught():
+    """The check can fail: a tier importing another tier, the engine importing the RL service, a
+    component importing the controller and plumbing importing a tier are all reported."""
+    modules = source_modules()
+    planted = {
+        "rlmesh.rollout_server.worker": "rlmesh.learner.issuer",
+        "rlmesh.learner.train.trainer": "rlmesh.learner.controller",
+        "rlmesh.learner.evaluator": "rlmesh.learner.controller",
+        "rlmesh.services.queue": "rlmesh.reward_server.service",
+        "rlmesh.learner.controller": "rlmesh.learner.recipes.sft",
+    }
+    for module, name in planted.items():
+        assert module in modules, module
+        found = violations({module: modules[module] | {name}})
+        assert any(name in v for v in found), (module, name)

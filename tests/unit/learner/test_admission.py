@@ -2,11 +2,11 @@
 
 import pytest
 
-from learner.admission import Admission
-from learner.data import Example
-from learner.issuer import PromptIssuer
+from rlmesh.learner.admission import Admission
+from rlmesh.learner.data import Example
+from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.v1 import common_pb2
-from services.queue import Entry
+from rlmesh.services.queue import Entry
 
 
 class FakeQueue:

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from learner.algorithms.advantages import group_advantages
-from learner.algorithms.loss import LossConfig, policy_loss
-from learner.batch import Sequence, pack, plan_step
+from rlmesh.learner.train.algorithms.advantages import group_advantages
+from rlmesh.learner.train.algorithms.loss import LossConfig, policy_loss
+from rlmesh.learner.train.batch import Sequence, pack, plan_step
 
 
 def test_grpo_advantages_are_standardised():

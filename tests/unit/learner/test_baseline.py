@@ -2,8 +2,11 @@
 
 Three optimizer steps on a fixed batch of a seeded tiny Qwen2: the loss of each step and a
 fingerprint of every weight afterwards must match the committed baseline, so refactors of the
-learner are proven not to change training. Tolerances: loss 1e-6 absolute; each tensor's sum and
-L2 norm 1e-5 relative (float32 on CPU, one torch thread). Regenerate only for an intended change
+learner are proven not to change training. Tolerances: loss 1e-6 absolute; each tensor's L2 norm
+1e-5 relative and its sum 5e-5 of its norm (a sum cancels, so its float noise scales with the norm,
+not with itself); k_proj biases are left out: softmax is invariant to them, their gradient is
+float noise, and Adam turns noise into full-size steps (their sums moved by 4e-5 of their norm
+between two CPUs of this workplace with the code unchanged). float32 on CPU, one torch thread. Regenerate only for an intended change
 of behaviour: RLMESH_REGEN_BASELINE=1 pytest tests/unit/learner/test_baseline.py"""
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ def fingerprint(named) -> dict[str, list[float]]:
     return {n: [float(t.double().sum()), float(t.double().norm())] for n, t in named}
 
 
+def assert_same_weights(got: dict, want: dict) -> None:
+    for name, (total, norm) in want.items():
+        if name.endswith("k_proj.bias"):
+            continue
+        assert got[name][1] == pytest.approx(norm, rel=1e-5), name
+        assert got[name][0] == pytest.approx(total, abs=5e-5 * norm + 1e-9), name
+
+
 def fixed_groups():
     """The fixed batch as the rollout tier delivers it: TrajectoryGroups."""
     from rlmesh.v1 import common_pb2
@@ -56,8 +67,8 @@ def fixed_groups():
 
 
 def make_trainer(model_dir: Path, micro_batch_size: int = 12, *overrides: str):
-    from learner.trainer import Trainer
-    from services.config import load_config
+    from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.services.config import load_config
 
     config = load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
                                 "learner.lr=1e-3", "algorithm.name=grpo", "rollout.max_tokens=8",
@@ -82,9 +93,7 @@ def test_grpo_step_matches_the_committed_baseline(tiny_model_dir):
     want = json.loads(BASELINE.read_text())
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
     assert sorted(got["weights"]) == sorted(want["weights"])
-    for name, (total, norm) in want["weights"].items():
-        assert got["weights"][name][1] == pytest.approx(norm, rel=1e-5), name
-        assert got["weights"][name][0] == pytest.approx(total, rel=1e-5, abs=1e-6), name
+    assert_same_weights(got["weights"], want["weights"])
 
 
 def test_pi_old_from_the_training_forward_equals_a_recomputed_pi_old(tiny_model_dir):
@@ -96,6 +105,4 @@ def test_pi_old_from_the_training_forward_equals_a_recomputed_pi_old(tiny_model_
     assert fused["loss"] == pytest.approx(recomputed["loss"], abs=1e-6)
     assert fused["mismatch_kl"] == pytest.approx(recomputed["mismatch_kl"], rel=1e-5)
     assert fused["mismatch_kl"][0] > 0  # behaviour logprobs differ from the model's: the metric is live
-    for name, (total, norm) in recomputed["weights"].items():
-        assert fused["weights"][name][1] == pytest.approx(norm, rel=1e-5), name
-        assert fused["weights"][name][0] == pytest.approx(total, rel=1e-5, abs=1e-6), name
+    assert_same_weights(fused["weights"], recomputed["weights"])

@@ -2,8 +2,8 @@
 
 import pytest
 
-from learner.controller import Controller
-from services.config import load_config
+from rlmesh.learner.controller import Controller
+from rlmesh.services.config import load_config
 
 
 def test_linear_schedule_decays_from_peak_to_final_ratio(tmp_path):
@@ -29,11 +29,11 @@ def test_controller_refuses_a_model_it_cannot_load(tmp_path):
 async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_batch_is_already_buffered(tmp_path):
     """They were lost before: with a full batch already buffered (k >= 2), _fill returned at once and
     dropped them, so they were never trained nor acked and counted as in flight forever."""
-    from learner.admission import Admission
-    from learner.evaluator import Evaluator
-    from learner.issuer import PromptIssuer
+    from rlmesh.learner.admission import Admission
+    from rlmesh.learner.evaluator import Evaluator
+    from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.v1 import common_pb2
-    from services.queue import Entry
+    from rlmesh.services.queue import Entry
 
     class Stream:
         def __init__(self):

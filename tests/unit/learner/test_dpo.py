@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from learner.algorithms.loss import dpo_loss
-from learner.batch import Sequence, plan_step
+from rlmesh.learner.train.algorithms.loss import dpo_loss
+from rlmesh.learner.train.batch import Sequence, plan_step
 
 
 def _pairs():
@@ -57,8 +57,8 @@ def test_an_odd_micro_batch_is_a_clear_error():
 
 
 def test_jsonl_pairs_take_strings_and_trl_conversations(tmp_path):
-    from learner.data import load_dataset
-    from services.config import load_config
+    from rlmesh.learner.data import load_dataset
+    from rlmesh.services.config import load_config
 
     rows = [{"prompt": "2+2=", "chosen": "4", "rejected": "5", "answer": "4"},
             {"prompt": "3+3=", "chosen": [{"role": "user", "content": "3+3="}, {"role": "assistant", "content": "6"}],
@@ -75,8 +75,8 @@ def test_jsonl_pairs_take_strings_and_trl_conversations(tmp_path):
 
 
 def test_rlmesh_dpo_learns_the_preference_on_held_out_pairs(tmp_path):
-    from learner.dpo import run_dpo
-    from services.config import load_config
+    from rlmesh.learner.recipes.dpo import run_dpo
+    from rlmesh.services.config import load_config
 
     config = load_config(None, ["dpo.num_steps=15", "dpo.batch_size=16", "dpo.lr=2e-3", "dpo.beta=0.5",
                                 "dpo.eval_every=5", "learner.micro_batch_size=8", "learner.torch_threads=1",
@@ -94,7 +94,7 @@ def test_rlmesh_dpo_learns_the_preference_on_held_out_pairs(tmp_path):
 
 
 def test_rlmesh_dpo_without_pairs_or_steps_says_how_to_fix_it(tmp_path):
-    from entrypoints.cli import main
+    from rlmesh.entrypoints.cli import main
 
     with pytest.raises(SystemExit, match="dpo.num_steps is 0"):
         main(["dpo", "--output", str(tmp_path / "a")])

@@ -4,8 +4,8 @@ cut off by the turn budget counts as wrong instead of switching the record to me
 import asyncio
 from types import SimpleNamespace
 
-from learner.data import Example
-from learner.evaluator import Evaluator
+from rlmesh.learner.data import Example
+from rlmesh.learner.evaluator import Evaluator
 from rlmesh.v1 import common_pb2
 
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
-from learner.backends.megatron import SHARD_DIM, _check_layout, _Converter  # noqa: E402
+from rlmesh.learner.train.backends.megatron import SHARD_DIM, _check_layout, _Converter  # noqa: E402
 
 
 def hf_config(arch: str = "qwen2", heads: int = 8, groups: int = 2, layers: int = 4, tied: bool = False):
@@ -110,7 +110,7 @@ def test_unsupported_layouts_are_config_errors_naming_the_numbers():
 
 
 def test_backend_config_is_a_union_on_type():
-    from services.config import ConfigError, load_config
+    from rlmesh.services.config import ConfigError, load_config
 
     cfg = load_config(None, ["learner.backend.type=megatron", "learner.backend.tensor_parallel=2"])
     assert (cfg.learner.backend.type, cfg.learner.backend.tensor_parallel, cfg.learner.backend.pipeline_parallel) == (

@@ -4,12 +4,12 @@ skips the tool."""
 
 import random
 
-from learner.data import load_dataset
-from learner.sft import sft_sequence
-from learner.tiny_model import build_tokenizer
-from services.chat import ChatCodec
-from services.config import CalculatorDataSection
-from services.tasks import ADD_TOOL
+from rlmesh.learner.data import load_dataset
+from rlmesh.learner.recipes.sft import sft_sequence
+from rlmesh.learner.devtools.tiny_model import build_tokenizer
+from rlmesh.domain.chat import ChatCodec
+from rlmesh.services.config import CalculatorDataSection
+from rlmesh.domain.tasks import ADD_TOOL
 
 
 def test_calculator_splits_are_disjoint_and_demonstrate_the_tool():

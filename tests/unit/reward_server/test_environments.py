@@ -1,8 +1,8 @@
 import pytest
 
-from reward_server.environments.arithmetic import ArithmeticEnvironment
-from reward_server.environments.base import ScoreInput
-from reward_server.environments.function import FunctionEnvironment, load_callable
+from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
+from rlmesh.reward_server.environments.base import ScoreInput
+from rlmesh.reward_server.environments.function import FunctionEnvironment, load_callable
 
 
 def _item(completion, **metadata):

@@ -1,9 +1,9 @@
 import pytest
 
-from reward_server.environments.base import is_multi_turn
-from reward_server.environments.calculator import ADD_TOOL, CalculatorEnvironment, add
-from reward_server.environments.guess_number import GuessNumberEnvironment
-from reward_server.environments.tool_calls import format_tool_call
+from rlmesh.reward_server.environments.base import is_multi_turn
+from rlmesh.reward_server.environments.calculator import ADD_TOOL, CalculatorEnvironment, add
+from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
+from rlmesh.reward_server.environments.tool_calls import format_tool_call
 
 PROMPT = [{"role": "user", "content": "task"}]
 

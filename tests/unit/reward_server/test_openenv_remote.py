@@ -4,8 +4,8 @@ tests/integration/test_openenv_environment.py.)"""
 
 import pytest
 
-from reward_server.environments.openenv_remote import render_observation
-from services.config import RunConfig
+from rlmesh.reward_server.environments.openenv_remote import render_observation
+from rlmesh.services.config import RunConfig
 
 
 def test_a_single_text_field_is_the_message():

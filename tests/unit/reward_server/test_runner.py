@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from reward_server.runner import EnvironmentTimeout, EnvRunner
+from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
 
 
 async def test_returns_results_and_raises_the_calls_errors():

@@ -8,10 +8,10 @@ import time
 import pytest
 from google.protobuf.struct_pb2 import Struct
 
-from reward_server.environments.base import ResetOutput, StepOutput
-from reward_server.remote import check_results
-from reward_server.service import RewardService
-from reward_server.sessions import SessionError
+from rlmesh.reward_server.environments.base import ResetOutput, StepOutput
+from rlmesh.reward_server.remote import check_results
+from rlmesh.reward_server.service import RewardService
+from rlmesh.reward_server.sessions import SessionError
 from rlmesh.v1 import common_pb2, reward_pb2
 
 RELEASE = threading.Event()

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from reward_server.sessions import LocalSession, SessionError, SessionId, SessionTable
+from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionId, SessionTable
 
 
 def test_session_ids_route_to_replica_and_environment():

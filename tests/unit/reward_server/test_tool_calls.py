@@ -1,6 +1,6 @@
 import pytest
 
-from reward_server.environments.tool_calls import (MalformedToolCall, ToolCall, format_tool_call, has_tool_call,
+from rlmesh.reward_server.environments.tool_calls import (MalformedToolCall, ToolCall, format_tool_call, has_tool_call,
                                                    parse_tool_calls)
 
 

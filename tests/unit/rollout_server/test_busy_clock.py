@@ -1,7 +1,7 @@
 """The rollout server's engine-busy clock: counts wall time with work in flight, not paused."""
 
-from rollout_server import generator
-from rollout_server.generator import BusyClock
+from rlmesh.rollout_server import generator
+from rlmesh.rollout_server.generator import BusyClock
 
 
 def test_busy_clock_counts_only_time_with_requests_in_flight_and_not_paused(monkeypatch):

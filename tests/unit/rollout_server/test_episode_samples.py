@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from learner.tiny_model import build_tokenizer
+from rlmesh.learner.devtools.tiny_model import build_tokenizer
 from rlmesh.v1 import common_pb2
-from rollout_server.episode import EpisodeRunner, EpisodeTrace, _common_prefix
-from services.config import EpisodeSection
+from rlmesh.rollout_server.episode import EpisodeRunner, EpisodeTrace, _common_prefix
+from rlmesh.services.config import EpisodeSection
 
 
 def _runner(**episode) -> EpisodeRunner:

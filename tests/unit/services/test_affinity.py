@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from services.affinity import pin_to_cores
+from rlmesh.services.affinity import pin_to_cores
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, RunConfig, dump_config, load_config
+from rlmesh.services.config import ConfigError, RunConfig, dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[3]
 SHIPPED = sorted(REPO.glob("examples/*.yaml")) + sorted(REPO.glob("deploy/**/*.rlmesh.yaml"))
@@ -93,7 +93,7 @@ def test_every_field_has_a_docstring():
 
 
 def test_a_service_alone_with_the_embedded_queue_names_queue_url():
-    from services.queue import connect
+    from rlmesh.services.queue import connect
 
     with pytest.raises(ValueError, match="queue.url=redis://HOST:PORT"):
         connect("embedded")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from entrypoints.cli import build_parser
-from services.config import load_config
+from rlmesh.entrypoints.cli import build_parser
+from rlmesh.services.config import load_config
 
 REPO = Path(__file__).resolve().parents[3]
 

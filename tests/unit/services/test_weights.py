@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from services.config import WeightSyncSection  # noqa: E402
-from services.weights.base import build_transport  # noqa: E402
-from services.weights.wire import buckets, describe, flat_buckets, weights_digest  # noqa: E402
+from rlmesh.services.config import WeightSyncSection  # noqa: E402
+from rlmesh.services.weights.base import build_transport  # noqa: E402
+from rlmesh.services.weights.wire import buckets, describe, flat_buckets, weights_digest  # noqa: E402
 
 
 def _named():
@@ -47,7 +47,7 @@ def test_gloo_verify_reports_a_missing_digest_instead_of_waiting_forever():
 
 
 def test_gloo_verify_compares_what_workers_published():
-    from services.weights.gloo import digest_key
+    from rlmesh.services.weights.gloo import digest_key
 
     transport = build_transport(WeightSyncSection(backend="gloo", timeout_s=5))
     transport.store.set(digest_key(1, 3, 1), "ab" * 32)
@@ -70,7 +70,7 @@ def test_nccl_worker_payloads_match_vllms_engine():
         NCCLWeightTransferUpdateInfo,
     )
 
-    from services.weights.nccl import worker_init_info, worker_update_info
+    from rlmesh.services.weights.nccl import worker_init_info, worker_update_info
 
     init = NCCLWeightTransferInitInfo(**worker_init_info("10.0.0.1", 29555, 1, 3))
     assert (init.rank_offset, init.world_size, init.packed) == (1, 3, True)
@@ -84,7 +84,7 @@ def test_gloo_send_and_receive_over_several_buckets_keep_bytes_order_and_digest(
     import hashlib
     import threading
 
-    from services.weights.gloo import join_group, receive
+    from rlmesh.services.weights.gloo import join_group, receive
 
     named = _named() + [("e", torch.randn(7, 3)), ("f", torch.arange(5)), ("g", torch.randn(4))]
     metas = describe(named)

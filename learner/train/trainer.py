@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from learner.backends import build_backend
-from learner.distributed import CommandChannel, init_distributed
-from learner.objectives.base import Objective, build_objective, run_step
-from services.affinity import pin_to_cores
+from rlmesh.learner.train.backends import build_backend
+from rlmesh.learner.train.distributed import CommandChannel, init_distributed
+from rlmesh.learner.train.objectives.base import Objective, build_objective, run_step
+from rlmesh.services.affinity import pin_to_cores
 
 if TYPE_CHECKING:
-    from learner.batch import Sequence
-    from services.config import RunConfig
-    from services.weights.wire import TensorMeta
+    from rlmesh.learner.train.batch import Sequence
+    from rlmesh.services.config import RunConfig
+    from rlmesh.services.weights.wire import TensorMeta
 
 log = logging.getLogger(__name__)
 

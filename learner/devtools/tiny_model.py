@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.config import TinyModelSection
+    from rlmesh.services.config import TinyModelSection
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML turns. With `tools=`, a system turn lists each tool compactly (name, parameters,

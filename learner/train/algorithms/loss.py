@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.batch import MicroBatch
+from rlmesh.learner.train.batch import MicroBatch
 
 
 @dataclass(frozen=True)

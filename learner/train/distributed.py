@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.ports import free_port
+from rlmesh.services.ports import free_port
 
 log = logging.getLogger(__name__)
 

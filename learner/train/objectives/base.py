@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from learner.backends.base import TrainingBackend
-    from learner.batch import MicroBatch, Sequence
+    from rlmesh.learner.train.backends.base import TrainingBackend
+    from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 
 class Objective(Protocol):
@@ -27,7 +27,7 @@ class Objective(Protocol):
 def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence], *, micro_batch_size: int,
              pad_id: int, temperature: float, lr: float) -> dict[str, float]:
     """One optimizer step over the whole batch `seqs`; called on every rank with the same `seqs`."""
-    from learner.batch import plan_step
+    from rlmesh.learner.train.batch import plan_step
 
     # Shard by data-parallel rank: tensor/pipeline-parallel peers must see the same micro-batches.
     micros = plan_step(seqs, micro_batch_size, pad_id, getattr(backend, "dp_rank", backend.rank),
@@ -42,13 +42,13 @@ def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence
 def build_objective(name: str, config) -> Objective:
     """The objective for a run: `sft`, `dpo`, or the GRPO family member `algorithm.name` names."""
     if name == "sft":
-        from learner.objectives.sft import SFTObjective
+        from rlmesh.learner.train.objectives.sft import SFTObjective
 
         return SFTObjective()
     if name == "dpo":
-        from learner.objectives.dpo import DPOObjective
+        from rlmesh.learner.train.objectives.dpo import DPOObjective
 
         return DPOObjective(config.dpo.beta, config.dpo.sft_weight)
-    from learner.objectives.grpo import GRPOObjective
+    from rlmesh.learner.train.objectives.grpo import GRPOObjective
 
     return GRPOObjective(config.algorithm, max_tokens=config.rollout.max_tokens)

@@ -5,19 +5,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from learner.backends.base import TrainingBackend
-    from services.config import LearnerSection
+    from rlmesh.learner.train.backends.base import TrainingBackend
+    from rlmesh.services.config import LearnerSection
 
 
 def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float | None = None) -> TrainingBackend:
     """The backend `cfg.backend.type` names, loaded from the HF model at `model_path`."""
     if cfg.backend.type == "fsdp2":
-        from learner.backends.fsdp2 import FSDP2Backend
+        from rlmesh.learner.train.backends.fsdp2 import FSDP2Backend
 
         return FSDP2Backend(model_path, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
                             max_grad_norm=cfg.max_grad_norm, param_dtype=cfg.backend.param_dtype, seed=seed)
     if cfg.backend.type == "megatron":
-        from learner.backends.megatron import MegatronBackend
+        from rlmesh.learner.train.backends.megatron import MegatronBackend
 
         return MegatronBackend(model_path, tensor_parallel=cfg.backend.tensor_parallel,
                                pipeline_parallel=cfg.backend.pipeline_parallel, lr=cfg.lr if lr is None else lr,

@@ -1,5 +1,5 @@
 """`rlmesh dpo`: direct preference optimisation on (prompt, chosen, rejected) pairs, offline, through
-the same trainer, backend and step as RL and SFT (`learner/objectives/dpo.py`).
+the same trainer, backend and step as RL and SFT (`learner/train/objectives/dpo.py`).
 
 The reference policy is the starting model (after the SFT warm start when `sft.num_steps > 0`): its
 token logprobs of every train and held-out pair are computed once, before the first step, with the
@@ -25,16 +25,16 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from learner.batch import MicroBatch, Sequence, plan_step
-from learner.data import Example, load_dataset
-from learner.sft import prepare_model, run_sft
-from services.chat import ChatCodec
+from rlmesh.learner.train.batch import MicroBatch, Sequence, plan_step
+from rlmesh.learner.data import Example, load_dataset
+from rlmesh.learner.recipes.sft import prepare_model, run_sft
+from rlmesh.domain.chat import ChatCodec
 
 if TYPE_CHECKING:
     import torch
 
-    from learner.trainer import Trainer
-    from services.config import RunConfig
+    from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.services.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def attach_reference(trainer: Trainer, pairs: dict[str, tuple[Sequence, Sequence
 def preference_accuracy(trainer: Trainer, pairs: list[tuple[Sequence, Sequence]], beta: float, micro_batch_size: int,
                         pad_id: int) -> dict[str, float]:
     """Held-out: how often the policy's implicit reward ranks chosen above rejected, and the mean margin."""
-    from learner.algorithms.loss import dpo_loss
+    from rlmesh.learner.train.algorithms.loss import dpo_loss
 
     seqs = [s for pair in pairs for s in pair]
     wins, margin, n = 0.0, 0.0, 0
@@ -97,7 +97,7 @@ def preference_accuracy(trainer: Trainer, pairs: list[tuple[Sequence, Sequence]]
 def greedy_match(model_dir: Path | str, examples: list[Example], max_tokens: int) -> float:
     """Fraction of held-out prompts whose greedy completion (HF `generate`) is exactly the chosen
     response: for the arithmetic pairs, held-out accuracy."""
-    from learner.greedy import greedy_completions
+    from rlmesh.learner.recipes.greedy import greedy_completions
 
     texts = greedy_completions(model_dir, examples, max_tokens)
     return sum(text == ex.chosen for text, ex in zip(texts, examples)) / len(examples)
@@ -107,7 +107,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from learner.trainer import Trainer
+    from rlmesh.learner.train.trainer import Trainer
 
     cfg = config.dpo
     output = Path(output)
@@ -173,7 +173,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:
-    from services.telemetry import setup_logging
+    from rlmesh.services.telemetry import setup_logging
 
     setup_logging("dpo", config.logging.level)
     if config.dpo.num_steps == 0:

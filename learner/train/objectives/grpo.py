@@ -1,5 +1,5 @@
 """The GRPO family as an objective: group-relative advantages from trajectory groups, and the
-clipped policy-gradient loss with off-policy correction (`learner.algorithms`)."""
+clipped policy-gradient loss with off-policy correction (`rlmesh.learner.train.algorithms`)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from learner.algorithms.advantages import group_advantages
-from learner.algorithms.loss import LossConfig, policy_loss
-from learner.batch import MicroBatch, Sequence
+from rlmesh.learner.train.algorithms.advantages import group_advantages
+from rlmesh.learner.train.algorithms.loss import LossConfig, policy_loss
+from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 if TYPE_CHECKING:
     from rlmesh.v1 import common_pb2
-    from services.config import AlgorithmSection
+    from rlmesh.services.config import AlgorithmSection
 
 
 class GRPOObjective:

@@ -1,12 +1,12 @@
 """Direct preference optimisation as an objective: (chosen, rejected) pairs against a frozen
-reference policy whose logprobs were computed before training (`learner.dpo`)."""
+reference policy whose logprobs were computed before training (`rlmesh.learner.recipes.dpo`)."""
 
 from __future__ import annotations
 
 import torch
 
-from learner.algorithms.loss import dpo_loss
-from learner.batch import MicroBatch
+from rlmesh.learner.train.algorithms.loss import dpo_loss
+from rlmesh.learner.train.batch import MicroBatch
 
 
 class DPOObjective:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from learner.trainer import Trainer
+    from rlmesh.learner.train.trainer import Trainer
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 

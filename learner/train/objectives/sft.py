@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from learner.algorithms.loss import sft_loss
-from learner.batch import MicroBatch
+from rlmesh.learner.train.algorithms.loss import sft_loss
+from rlmesh.learner.train.batch import MicroBatch
 
 
 class SFTObjective:

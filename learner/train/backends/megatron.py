@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from learner.backends import megatron_cpu_shim
-from learner.backends.base import LossFn
-from learner.batch import MicroBatch
-from learner.distributed import init_distributed
-from services.weights.wire import TensorMeta
+from rlmesh.learner.train.backends import megatron_cpu_shim
+from rlmesh.learner.train.backends.base import LossFn
+from rlmesh.learner.train.batch import MicroBatch
+from rlmesh.learner.train.distributed import init_distributed
+from rlmesh.services.weights.wire import TensorMeta
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from learner.data import Example
-from services.chat import ChatCodec
+from rlmesh.learner.data import Example
+from rlmesh.domain.chat import ChatCodec
 
 
 def greedy_completions(model_dir: Path | str, examples: list[Example], max_tokens: int,

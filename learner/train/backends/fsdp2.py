@@ -14,10 +14,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from learner.backends.base import LossFn
-from learner.batch import MicroBatch
-from learner.distributed import init_distributed
-from services.weights.wire import TensorMeta
+from rlmesh.learner.train.backends.base import LossFn
+from rlmesh.learner.train.batch import MicroBatch
+from rlmesh.learner.train.distributed import init_distributed
+from rlmesh.services.weights.wire import TensorMeta
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from learner.batch import MicroBatch
-    from services.weights.wire import TensorMeta
+    from rlmesh.learner.train.batch import MicroBatch
+    from rlmesh.services.weights.wire import TensorMeta
 
 # loss_fn(logprobs_BT, micro) -> (loss scalar, metrics); logprobs are of input_ids[:, 1:].
 LossFn = Callable[["torch.Tensor", "MicroBatch"], "tuple[torch.Tensor, dict[str, float]]"]

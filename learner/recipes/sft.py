@@ -10,10 +10,10 @@ import random
 import sys
 from pathlib import Path
 
-from learner.batch import Sequence
-from learner.data import Example, load_dataset
-from services.chat import ChatCodec
-from services.config import HFModelSection, RunConfig
+from rlmesh.learner.train.batch import Sequence
+from rlmesh.learner.data import Example, load_dataset
+from rlmesh.domain.chat import ChatCodec
+from rlmesh.services.config import HFModelSection, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def prepare_model(config: RunConfig, workdir: Path) -> str:
     """Path of an HF model directory for `config.model`, writing the tiny model if asked for."""
     if isinstance(config.model, HFModelSection):
         return config.model.path
-    from learner.tiny_model import write_tiny_model
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
 
     return str(write_tiny_model(config.model, workdir / "init_model", seed=config.run.seed))
 
@@ -65,7 +65,7 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from learner.trainer import Trainer
+    from rlmesh.learner.train.trainer import Trainer
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ def _copy_generation_config(src: str, dst: Path) -> None:
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:
-    from services.telemetry import setup_logging
+    from rlmesh.services.telemetry import setup_logging
 
     setup_logging("sft", config.logging.level)
     if config.sft.num_steps == 0:
