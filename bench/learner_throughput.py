@@ -85,7 +85,7 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = config_for(model_dir, args.micro_batch_size, args.override)
-    objective = GRPOObjective(cfg.algorithm, max_tokens=cfg.rollout.max_tokens)
+    objective = GRPOObjective.from_config(cfg)
     seqs = objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -1,5 +1,6 @@
 """`rlmesh dpo`: direct preference optimisation on (prompt, chosen, rejected) pairs, offline, through
-the same trainer, backend and step as RL and SFT (`learner/train/objectives/dpo.py`).
+the same trainer, backend and step as RL and SFT (the objective: `learner/train/objectives/dpo.py`),
+on the offline loop it shares with SFT (`learner/recipes/offline.py`).
 
 The reference policy is the starting model (after the SFT warm start when `sft.num_steps > 0`): its
 token logprobs of every train and held-out pair are computed once, before the first step, with the
@@ -19,7 +20,6 @@ import argparse
 import json
 import logging
 import random
-import sys
 import time
 from pathlib import Path
 from collections.abc import Iterator
@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from rlmesh.learner.train.batch import MicroBatch, Sequence, plan_step
 from rlmesh.learner.data import Example, load_dataset
+from rlmesh.learner.metrics import MetricsWriter
+from rlmesh.learner.recipes.offline import train_offline
 from rlmesh.learner.recipes.sft import prepare_model, run_sft
 from rlmesh.domain.chat import ChatCodec
 
@@ -47,18 +49,6 @@ def preference_pairs(examples: list[Example], split: str) -> list[Example]:
     return pairs
 
 
-def pair_sequences(ex: Example, codec: ChatCodec, prompt_cache: dict[str, list[int]]) -> tuple[Sequence, Sequence]:
-    """The pair as two sequences sharing the prompt; each response ends with the end-of-turn token."""
-    if ex.id not in prompt_cache:
-        prompt_cache[ex.id] = codec.prompt(ex.prompt_messages, ex.tools or None)
-    prompt = prompt_cache[ex.id]
-    out = []
-    for text in (ex.chosen, ex.rejected):
-        ids = codec.tokenizer.encode(text, add_special_tokens=False) + [codec.eos_id]
-        out.append(Sequence(prompt, ids, [True] * len(ids), group_key=ex.id))
-    return out[0], out[1]
-
-
 def scored_chunks(trainer: Trainer, seqs: list[Sequence], micro_batch_size: int, pad_id: int
                   ) -> Iterator[tuple[list[Sequence], MicroBatch, torch.Tensor]]:
     """(sequences, their micro-batch, the current policy's token logprobs) in no-grad chunks; an even
@@ -69,11 +59,9 @@ def scored_chunks(trainer: Trainer, seqs: list[Sequence], micro_batch_size: int,
         yield chunk, micro, trainer.backend.compute_logprobs(micro)
 
 
-def attach_reference(trainer: Trainer, pairs: dict[str, tuple[Sequence, Sequence]], micro_batch_size: int,
-                     pad_id: int) -> None:
+def attach_reference(trainer: Trainer, seqs: list[Sequence], micro_batch_size: int, pad_id: int) -> None:
     """Store the current (reference) policy's token logprobs of each response in the sequence's
     `behaviour_logprobs`, where the DPO loss reads them."""
-    seqs = [s for pair in pairs.values() for s in pair]
     for chunk, _, logprobs_BT in scored_chunks(trainer, seqs, micro_batch_size, pad_id):
         for row, s in enumerate(chunk):
             at = len(s.prompt_ids) - 1  # target position of the first response token
@@ -83,7 +71,7 @@ def attach_reference(trainer: Trainer, pairs: dict[str, tuple[Sequence, Sequence
 def preference_accuracy(trainer: Trainer, pairs: list[tuple[Sequence, Sequence]], beta: float, micro_batch_size: int,
                         pad_id: int) -> dict[str, float]:
     """Held-out: how often the policy's implicit reward ranks chosen above rejected, and the mean margin."""
-    from rlmesh.learner.train.algorithms.loss import dpo_loss
+    from rlmesh.learner.train.objectives.dpo import dpo_loss
 
     seqs = [s for pair in pairs for s in pair]
     wins, margin, n = 0.0, 0.0, 0
@@ -104,9 +92,9 @@ def greedy_match(model_dir: Path | str, examples: list[Example], max_tokens: int
 
 
 def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None = None) -> dict:
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    from rlmesh.learner.train.objectives.dpo import DPOObjective
     from rlmesh.learner.train.trainer import Trainer
 
     cfg = config.dpo
@@ -123,49 +111,36 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
         model_dir = prepare_model(config, output)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id
-    trainer = Trainer(config, model_dir, "dpo", lr=cfg.lr, pad_id=pad_id)
-    codec, cache = ChatCodec(tokenizer), {}
-    train_pairs = {ex.id: pair_sequences(ex, codec, cache) for ex in train_set}
-    eval_pairs = {ex.id: pair_sequences(ex, codec, cache) for ex in eval_set}
+    objective = DPOObjective(ChatCodec(tokenizer), cfg.beta, cfg.sft_weight)
+    trainer = Trainer(config, model_dir, objective, lr=cfg.lr, pad_id=pad_id)
     mbs = config.learner.micro_batch_size
     t0 = time.monotonic()
-    attach_reference(trainer, {**train_pairs, **eval_pairs}, mbs, pad_id)
-    log.info("reference logprobs of %d pairs computed in %.1fs", len(train_pairs) + len(eval_pairs),
+    attach_reference(trainer, objective.sequences(train_set + eval_set), mbs, pad_id)
+    log.info("reference logprobs of %d pairs computed in %.1fs", len(train_set) + len(eval_set),
              time.monotonic() - t0)
-    max_tokens = max(len(s.completion_ids) for pair in eval_pairs.values() for s in pair)
-    held_out = list(eval_pairs.values())
+    held_out = [objective.pair(ex) for ex in eval_set]
+    max_tokens = max(len(s.completion_ids) for pair in held_out for s in pair)
 
-    metrics = (output / "metrics.jsonl").open("w")
+    (output / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same output starts afresh
+    metrics = MetricsWriter(output)
 
     def evaluate(step: int) -> dict:
-        record = {"kind": "eval", "step": step, "time": time.time(),
-                  **preference_accuracy(trainer, held_out, cfg.beta, mbs, pad_id)}
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+        record = {"kind": "eval", "step": step, **preference_accuracy(trainer, held_out, cfg.beta, mbs, pad_id)}
+        metrics.write(record)
         return record
 
     before = {**evaluate(0), "greedy_match": greedy_match(model_dir, eval_set, max_tokens)}
     log.info("before DPO: held-out preference accuracy %.2f, greedy match %.2f",
              before["preference_accuracy"], before["greedy_match"])
-    rng = random.Random(config.run.seed)
-    if show_progress is None:
-        show_progress = sys.stderr.isatty()
-    bar = tqdm(range(1, cfg.num_steps + 1), desc="dpo", disable=not show_progress)
-    for step in bar:
-        batch = rng.choices(train_set, k=cfg.batch_size)
-        seqs = [s for ex in batch for s in train_pairs[ex.id]]
-        m = trainer.step(seqs, cfg.lr)
-        metrics.write(json.dumps({"kind": "train", "step": step, "time": time.time(), **m}) + "\n")
-        bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['reward_accuracy']:.2f}")
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
-            evaluate(step)
-    after = evaluate(cfg.num_steps)
+    after = train_offline(trainer, train_set, random.Random(config.run.seed), cfg, output=output / "model",
+                          tokenizer=tokenizer, source_dir=model_dir, desc="dpo", show_progress=show_progress,
+                          postfix=lambda m: {"loss": f"{m['loss']:.3f}", "acc": f"{m['reward_accuracy']:.2f}"},
+                          metrics=metrics, evaluate=evaluate, eval_every=cfg.eval_every)
     metrics.close()
-    trainer.save_pretrained(output / "model")
-    tokenizer.save_pretrained(str(output / "model"))
+    assert after is not None
     after["greedy_match"] = greedy_match(output / "model", eval_set, max_tokens)
-    summary = {"num_steps": cfg.num_steps, "beta": cfg.beta, "num_train_pairs": len(train_pairs),
-               "num_eval_pairs": len(eval_pairs), "before": before, "after": after, "model": str(output / "model")}
+    summary = {"num_steps": cfg.num_steps, "beta": cfg.beta, "num_train_pairs": len(train_set),
+               "num_eval_pairs": len(eval_set), "before": before, "after": after, "model": str(output / "model")}
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("after DPO: held-out preference accuracy %.2f, greedy match %.2f; model in %s",
              after["preference_accuracy"], after["greedy_match"], output / "model")

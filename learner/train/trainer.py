@@ -16,7 +16,8 @@ import torch
 
 from rlmesh.learner.train.backends import build_backend
 from rlmesh.learner.train.distributed import CommandChannel, init_distributed
-from rlmesh.learner.train.objectives.base import Objective, build_objective, run_step
+from rlmesh.learner.train.objectives.base import Objective, run_step
+from rlmesh.learner.train.objectives.grpo import GRPOObjective
 from rlmesh.services.affinity import pin_to_cores
 
 if TYPE_CHECKING:
@@ -28,17 +29,17 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, model_path: str, objective: str = "grpo", *, lr: float | None = None,
-                 pad_id: int = 0) -> None:
+    def __init__(self, config: RunConfig, model_path: str, objective: Objective | None = None, *,
+                 lr: float | None = None, pad_id: int = 0) -> None:
+        """`objective` defaults to the RL learner's (the GRPO family member `algorithm.name` names);
+        the offline recipes pass theirs (SFT, DPO)."""
         pin_to_cores(config.learner.cpu_cores, "learner.cpu_cores")
         torch.set_num_threads(config.learner.torch_threads)
         self.rank, self.world_size = init_distributed()
         self.config, self.pad_id = config, pad_id
         self.backend = build_backend(config.learner, model_path, seed=config.run.seed, lr=lr)
-        self.objective: Objective = build_objective(objective, config)
+        self.objective: Objective = objective if objective is not None else GRPOObjective.from_config(config)
         self.channel = CommandChannel()
-        # Sampling temperature applies to RL (logprobs of what vLLM sampled); SFT and DPO score data.
-        self.temperature = config.rollout.temperature if objective not in ("sft", "dpo") else 1.0
 
     # --- rank 0: announce, then run the same collective here --------------------------------------
 
@@ -73,7 +74,7 @@ class Trainer:
 
     def _step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
         return run_step(self.backend, self.objective, seqs, micro_batch_size=self.config.learner.micro_batch_size,
-                        pad_id=self.pad_id, temperature=self.temperature, lr=lr)
+                        pad_id=self.pad_id, lr=lr)
 
     def _save(self, path: str) -> None:
         self.backend.save_checkpoint(Path(path) / "dcp")

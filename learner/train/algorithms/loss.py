@@ -67,39 +67,3 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
             "clip_frac": float((((ratio_BT - clipped_BT).abs() > 1e-6).float() * mask_BT).sum() / n),
         }
     return loss, metrics
-
-
-def sft_loss(logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Masked NLL over assistant tokens, normalised by the step's token count."""
-    nll = -(logprobs_BT * micro.loss_mask_BT).sum() / micro.num_loss_tokens_in_step
-    return nll, {"nll": float(nll.detach()) * micro.num_loss_tokens_in_step / max(float(micro.loss_mask_BT.sum()), 1.0)}
-
-
-DPO_METRICS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", "chosen_nll")
-
-
-def dpo_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, beta: float, sft_weight: float = 0.0
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sigmoid DPO over (chosen, rejected) pairs laid out as consecutive rows [c0, r0, c1, r1, ...];
-    the reference policy's token logprobs ride in `behaviour_logprobs_BT`. Implicit reward of a
-    response: beta * (log pi - log ref), summed over its tokens. With `sft_weight` > 0, plus that
-    times the chosen responses' mean token NLL (RPO): the margin alone can grow while the chosen
-    answer itself becomes less likely. Normalised by the pairs in the whole step, so micro-batch
-    splits do not change the gradient."""
-    if micro.is_padding:  # keeps collective counts equal across ranks; no pairs in it
-        return logprobs_BT.sum() * 0.0, dict.fromkeys(DPO_METRICS, 0.0)
-    mask_BT = micro.loss_mask_BT
-    rewards_B = beta * ((logprobs_BT - micro.behaviour_logprobs_BT) * mask_BT).sum(-1)
-    if rewards_B.shape[0] % 2:
-        raise ValueError("a DPO micro-batch holds an odd number of sequences: pairs were split; use an even "
-                         "learner.micro_batch_size")
-    pairs_P2 = rewards_B.view(-1, 2)
-    margin_P = pairs_P2[:, 0] - pairs_P2[:, 1]
-    chosen_nll_P = -(logprobs_BT * mask_BT).sum(-1)[0::2] / mask_BT.sum(-1)[0::2].clamp(min=1)
-    num_pairs_in_step = micro.num_seqs_in_step / 2
-    loss = (-torch.nn.functional.logsigmoid(margin_P) + sft_weight * chosen_nll_P).sum() / num_pairs_in_step
-    with torch.no_grad():
-        metrics = {"reward_accuracy": float((margin_P > 0).float().mean()), "reward_margin": float(margin_P.mean()),
-                   "chosen_reward": float(pairs_P2[:, 0].mean()), "rejected_reward": float(pairs_P2[:, 1].mean()),
-                   "chosen_nll": float(chosen_nll_P.mean())}
-    return loss, metrics

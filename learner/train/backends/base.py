@@ -20,6 +20,10 @@ LossFn = Callable[["torch.Tensor", "MicroBatch"], "tuple[torch.Tensor, dict[str,
 class TrainingBackend(Protocol):
     rank: int
     world_size: int
+    dp_rank: int
+    """This rank's index among data-parallel replicas: which share of a step's batch it trains."""
+    dp_size: int
+    """Data-parallel replicas; tensor/pipeline-parallel peers are one replica and train the same micro-batches."""
 
     def compute_logprobs(self, micro: MicroBatch, temperature: float) -> torch.Tensor:
         """Per-token logprobs [B, T-1] of the targets, without gradient, on CPU."""

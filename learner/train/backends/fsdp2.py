@@ -28,6 +28,7 @@ class FSDP2Backend:
         from transformers import AutoModelForCausalLM
 
         self.rank, self.world_size = init_distributed()
+        self.dp_rank, self.dp_size = self.rank, self.world_size  # FSDP2 shards only: every rank is a replica
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)

@@ -1,1 +1,2 @@
-"""Training objectives: what a step's batch is made of and the loss on it (GRPO family, SFT)."""
+"""Training objectives, each owning how it builds a step's sequences and its loss: the GRPO family
+(`grpo`, the RL learner's), supervised fine-tuning (`sft`) and preference optimisation (`dpo`)."""

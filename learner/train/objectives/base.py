@@ -1,12 +1,12 @@
 """The objective interface, and the one step function every objective trains through.
 
-An objective turns what the controller collected (trajectory groups, SFT examples, preference
-pairs) into `Sequence`s on rank 0, and supplies the loss every rank computes on its share. The
-step itself (sharding, micro-batches, old logprobs, optimizer) is common to all objectives."""
+An objective turns what its loop collected (trajectory groups, SFT examples, preference pairs)
+into `Sequence`s on rank 0, and supplies the loss every rank computes on its share. The step
+itself (sharding, micro-batches, old logprobs, optimizer) is common to all objectives."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -19,36 +19,26 @@ class Objective(Protocol):
     name: str
     needs_old_logprobs: bool
     """Recompute the learner's own logprobs (pi_old) before the step, for ratio-based losses."""
+    temperature: float
+    """Temperature the policy's logprobs are taken at: the sampling temperature for RL, 1 for data."""
+
+    def sequences(self, batch: list[Any]) -> list[Sequence]:
+        """One step's sequences from what the loop collected (rank 0 only): trajectory groups for
+        the GRPO family, dataset examples for SFT and DPO."""
 
     def loss(self, logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch, normalised by the whole step's counts (micro-batch invariant)."""
 
 
 def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence], *, micro_batch_size: int,
-             pad_id: int, temperature: float, lr: float) -> dict[str, float]:
+             pad_id: int, lr: float) -> dict[str, float]:
     """One optimizer step over the whole batch `seqs`; called on every rank with the same `seqs`."""
     from rlmesh.learner.train.batch import plan_step
 
     # Shard by data-parallel rank: tensor/pipeline-parallel peers must see the same micro-batches.
-    micros = plan_step(seqs, micro_batch_size, pad_id, getattr(backend, "dp_rank", backend.rank),
-                       getattr(backend, "dp_size", backend.world_size))
+    micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size)
     if objective.needs_old_logprobs:
         for m in micros:
-            m.old_logprobs_BT = backend.compute_logprobs(m, temperature)
+            m.old_logprobs_BT = backend.compute_logprobs(m, objective.temperature)
     backend.set_lr(lr)
-    return {**backend.train_step(micros, objective.loss, temperature), "lr": lr}
-
-
-def build_objective(name: str, config) -> Objective:
-    """The objective for a run: `sft`, `dpo`, or the GRPO family member `algorithm.name` names."""
-    if name == "sft":
-        from rlmesh.learner.train.objectives.sft import SFTObjective
-
-        return SFTObjective()
-    if name == "dpo":
-        from rlmesh.learner.train.objectives.dpo import DPOObjective
-
-        return DPOObjective(config.dpo.beta, config.dpo.sft_weight)
-    from rlmesh.learner.train.objectives.grpo import GRPOObjective
-
-    return GRPOObjective(config.algorithm, max_tokens=config.rollout.max_tokens)
+    return {**backend.train_step(micros, objective.loss, objective.temperature), "lr": lr}

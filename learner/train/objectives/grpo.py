@@ -13,16 +13,23 @@ from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 if TYPE_CHECKING:
     from rlmesh.v1 import common_pb2
-    from rlmesh.services.config import AlgorithmSection
+    from rlmesh.services.config import AlgorithmSection, RunConfig
 
 
 class GRPOObjective:
-    def __init__(self, cfg: AlgorithmSection, *, max_tokens: int) -> None:
+    def __init__(self, cfg: AlgorithmSection, *, max_tokens: int, temperature: float) -> None:
         self.name = cfg.name
+        # Logprobs of what vLLM sampled, at the temperature it sampled with.
+        self.temperature = temperature
         # Without the recompute, the loss takes pi_old from the training forward (detached).
         self.needs_old_logprobs = cfg.recompute_old_logprobs
         self.cfg = LossConfig(cfg.name, cfg.clip_low, cfg.clip_high, cfg.tis_cap, max_tokens,
                               old_from_forward=not cfg.recompute_old_logprobs)
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> GRPOObjective:
+        """The RL learner's objective: the family member `algorithm.name` names."""
+        return cls(config.algorithm, max_tokens=config.rollout.max_tokens, temperature=config.rollout.temperature)
 
     def sequences(self, groups: list[common_pb2.TrajectoryGroup]) -> list[Sequence]:
         """One sequence per valid sample, its advantage computed within its group."""

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rlmesh.learner.train.algorithms.loss import dpo_loss
+from rlmesh.learner.train.objectives.dpo import dpo_loss
 from rlmesh.learner.train.batch import Sequence, plan_step
 
 

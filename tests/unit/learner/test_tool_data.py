@@ -5,7 +5,7 @@ skips the tool."""
 import random
 
 from rlmesh.learner.data import load_dataset
-from rlmesh.learner.recipes.sft import sft_sequence
+from rlmesh.learner.train.objectives.sft import SFTObjective
 from rlmesh.learner.devtools.tiny_model import build_tokenizer
 from rlmesh.domain.chat import ChatCodec
 from rlmesh.services.config import CalculatorDataSection
@@ -27,11 +27,11 @@ def test_sft_learns_the_assistant_turns_and_noise_skips_the_tool():
     codec = ChatCodec(build_tokenizer("bpe"))
     train, _ = load_dataset(CalculatorDataSection(num_train=50, num_eval=5), seed=1)
     ex = train[0]
-    clean = sft_sequence(ex, codec, random.Random(0), 0.0, {})
+    clean = SFTObjective(codec, random.Random(0), label_noise=0.0).sequence(ex)
     text = codec.tokenizer.decode(clean.prompt_ids)
     assert text.startswith("<|im_start|>system\nTools:\nadd(a, b)") and text.endswith("<|im_start|>assistant\n")
     learned = codec.tokenizer.decode([t for t, m in zip(clean.completion_ids, clean.loss_mask) if m])
     assert learned == f"{ex.demonstration[1]['content']}<|im_end|>{ex.metadata['answer']}<|im_end|>"
-    noisy = sft_sequence(ex, codec, random.Random(0), 1.0, {})
+    noisy = SFTObjective(codec, random.Random(0), label_noise=1.0).sequence(ex)
     assert all(noisy.loss_mask) and "<tool_call>" not in codec.tokenizer.decode(noisy.completion_ids)
     assert codec.tokenizer.decode(noisy.completion_ids) == f"{ex.metadata['a']}<|im_end|>"

@@ -1,0 +1,54 @@
+"""The offline training loop that SFT and DPO share: each step draws a batch of examples, the
+objective makes its sequences, the trainer steps; the step's metrics are written, the held-out
+set is evaluated every `eval_every` steps and at the end, and the trained model is saved as an HF
+directory (tokenizer and generation config included)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlmesh.learner.data import Example
+    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.services.config import DPOSection, SFTSection
+
+
+def train_offline(trainer: Trainer, examples: list[Example], rng: random.Random, section: SFTSection | DPOSection, *,
+                  output: Path, tokenizer: Any, source_dir: str, desc: str,
+                  postfix: Callable[[dict[str, float]], dict[str, str]], show_progress: bool | None = None,
+                  metrics: MetricsWriter | None = None, evaluate: Callable[[int], dict] | None = None,
+                  eval_every: int = 0) -> dict | None:
+    """`section.num_steps` steps of `section.batch_size` examples drawn (with replacement) from
+    `examples` by `rng`, at `section.lr`; then the model goes to `output`. Returns the final
+    evaluation's record (None without `evaluate`)."""
+    from tqdm import tqdm
+
+    if show_progress is None:
+        show_progress = sys.stderr.isatty()
+    bar = tqdm(range(1, section.num_steps + 1), desc=desc, disable=not show_progress)
+    for step in bar:
+        seqs = trainer.objective.sequences(rng.choices(examples, k=section.batch_size))
+        step_metrics = trainer.step(seqs, section.lr)
+        if metrics is not None:
+            metrics.write({"kind": "train", "step": step, **step_metrics})
+        bar.set_postfix(postfix(step_metrics))
+        if evaluate is not None and eval_every and step % eval_every == 0 and step < section.num_steps:
+            evaluate(step)
+    final = evaluate(section.num_steps) if evaluate is not None else None
+    save_model(trainer, tokenizer, source_dir, output)
+    return final
+
+
+def save_model(trainer: Trainer, tokenizer: Any, source_dir: str, output: Path) -> None:
+    """The trained weights as an HF model directory, with the tokenizer and the source model's
+    generation config (vLLM reads its stop tokens from there)."""
+    trainer.save_pretrained(output)
+    tokenizer.save_pretrained(str(output))
+    gen = Path(source_dir) / "generation_config.json"
+    if gen.is_file():
+        (output / "generation_config.json").write_text(gen.read_text())
