@@ -32,6 +32,9 @@ from google.protobuf.json_format import MessageToDict
 
 from rlmesh.v1 import common_pb2, reward_pb2
 from rlmesh.domain.chat import ChatCodec, as_dicts
+from rlmesh.rollout_server.reward_client import UNREACHABLE
+from rlmesh.services.grpc_client import rpc_problem
+from rlmesh.services.retry import retry
 
 if TYPE_CHECKING:
     from rlmesh.rollout_server.generator import VLLMGenerator
@@ -168,22 +171,22 @@ class EpisodeRunner:
     async def _env_call(self, replica: Replica, method: str, request):
         """Reset or Step on the session's replica, with `step_timeout_s`. A Reset may wait for an
         unreachable reward tier (no state yet); anything else that fails ends the episode."""
-        delay = 0.5
-        while True:
-            try:
-                return await getattr(replica.stub, method)(request, timeout=self.cfg.step_timeout_s)
-            except grpc.aio.AioRpcError as err:
-                code = err.code()
-                if method == "Reset" and code == grpc.StatusCode.UNAVAILABLE:
-                    log.warning("reward server %s unreachable for Reset; retrying in %.1fs", replica.address, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 10.0)
-                    continue
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise EpisodeFailed("step_timeout", f"{method} took longer than rollout.episode.step_timeout_s="
-                                                        f"{self.cfg.step_timeout_s}s ({err.details()})") from None
-                raise EpisodeFailed("env_error", f"{method} on reward server {replica.address} failed: "
-                                                 f"{code.name}: {err.details()}") from None
+
+        def unreachable_reset(err: BaseException) -> bool:
+            return (method == "Reset" and isinstance(err, grpc.aio.AioRpcError)
+                    and err.code() == grpc.StatusCode.UNAVAILABLE)
+
+        try:
+            return await retry(lambda: getattr(replica.stub, method)(request, timeout=self.cfg.step_timeout_s),
+                               what=f"reward server {replica.address} unreachable for {method}",
+                               retry_on=unreachable_reset, backoff=UNREACHABLE, describe=rpc_problem, log=log)
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise EpisodeFailed("step_timeout", f"{method} took longer than rollout.episode.step_timeout_s="
+                                                    f"{self.cfg.step_timeout_s}s ({err.details()})") from None
+            raise EpisodeFailed("env_error", f"{method} on reward server {replica.address} failed: "
+                                             f"{code.name}: {err.details()}") from None
 
     async def _close(self, replica: Replica, session: str) -> None:
         try:

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rlmesh.domain.chat import ChatCodec, as_dicts
 from rlmesh.v1 import common_pb2
 from rlmesh.services.affinity import pin_to_cores
 
@@ -119,9 +120,7 @@ class VLLMGenerator:
             return list(group.prompt_tokens.token_ids)
         if not group.messages:
             raise ValueError(f"group {group.group_id}: has neither messages nor prompt_tokens")
-        messages = [{"role": m.role, "content": m.content} for m in group.messages]
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        return ChatCodec(self.tokenizer).prompt(as_dicts(group.messages), None)
 
     def sampling_params(self, group: common_pb2.PromptGroup, index: int, *, max_tokens: int | None = None,
                         turn: int = 0):

@@ -9,19 +9,26 @@ Environment kinds (single-turn or multi-turn) are learned from `ListEnvironments
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
 
 import grpc
 
+from rlmesh.services.grpc_client import rpc_problem
+from rlmesh.services.retry import Backoff, retry
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+UNREACHABLE = Backoff(0.5, 10.0)
+"""Waits between tries at an unreachable reward tier."""
 MULTI_TURN = "multi_turn"
+
+
+def retryable(err: BaseException) -> bool:
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE
 
 
 @dataclass
@@ -45,9 +52,9 @@ class RewardPool:
     async def call(self, what: str, method: str, request, *, timeout_s: float | None = None):
         """`method` on the next replica that answers; retries the retryable codes with backoff, and
         raises anything else (the caller decides what that error means for its work)."""
-        delay = 0.5
-        while True:
-            for _ in range(len(self.replicas)):
+
+        async def each_replica():
+            for i in range(len(self.replicas)):
                 replica = self.pick()
                 try:
                     return await getattr(replica.stub, method)(request, timeout=timeout_s or self.timeout_s)
@@ -56,9 +63,11 @@ class RewardPool:
                         raise
                     log.warning("reward server %s: %s (%s); trying the next replica for %s", replica.address,
                                 method, err.code().name, what)
-            log.warning("no reward server answered %s for %s; retrying in %.1fs", method, what, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+                    if i == len(self.replicas) - 1:
+                        raise
+
+        return await retry(each_replica, what=f"no reward server answered {method} for {what}",
+                           retry_on=retryable, backoff=UNREACHABLE, describe=rpc_problem, log=log)
 
     async def score(self, request: reward_pb2.ScoreRequest, what: str) -> reward_pb2.ScoreResponse:
         return await self.call(what, "Score", request)

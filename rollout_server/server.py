@@ -18,15 +18,17 @@ from rlmesh.rollout_server.service import RolloutService
 from rlmesh.rollout_server.worker import RolloutWorker
 from rlmesh.services.auth import TLSFiles, load_token
 from rlmesh.services.config import HFModelSection, RunConfig
-from rlmesh.services.grpc_client import make_channel
+from rlmesh.services.grpc_client import make_channel, rpc_problem
 from rlmesh.services.grpc_server import start_server
-from rlmesh.services.queue import StreamQueue, connect
+from rlmesh.services.queue import StreamQueue, connect, run_streams
+from rlmesh.services.retry import Backoff, retry
 from rlmesh.services.telemetry import setup_logging
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 # weight_sync.backend -> the vLLM weight-transfer engine that receives it.
 WEIGHT_ENGINES = {"gloo": "rlmesh_gloo", "nccl": "nccl"}
 HEARTBEAT_S = 2.0
+LEARNER_UNREACHABLE = Backoff(0.5, 10.0)
 
 
 def model_path(config: RunConfig) -> str:
@@ -38,36 +40,36 @@ def model_path(config: RunConfig) -> str:
 
 async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_id: str, address: str,
                           worker: RolloutWorker, generator: VLLMGenerator, log: logging.Logger) -> None:
-    registered, delay = False, 0.5
-    while True:
-        try:
-            if not registered:
-                if await generator.recover_from_lost_learner():
-                    worker.ready.clear()
-                    log.warning("the learner went away during a weight update; weights marked incomplete, "
-                                "serving nothing until the learner resends them")
-                reply = await stub.RegisterGenerator(learner_pb2.RegisterGeneratorRequest(
-                    generator_id=generator_id, address=address, num_workers=1, version=generator.version))
-                registered = True
-                if reply.version == generator.version:
-                    worker.ready.set()  # both loaded the same initial weights
-                    log.info("registered with learner as %s at version %d; serving prompts", generator_id, reply.version)
-                else:
-                    log.info("registered as %s; learner is at version %d, waiting for its weights",
-                             generator_id, reply.version)
+    registered = False
+
+    async def register_or_beat() -> None:
+        nonlocal registered
+        if not registered:
+            if await generator.recover_from_lost_learner():
+                worker.ready.clear()
+                log.warning("the learner went away during a weight update; weights marked incomplete, "
+                            "serving nothing until the learner resends them")
+            reply = await stub.RegisterGenerator(learner_pb2.RegisterGeneratorRequest(
+                generator_id=generator_id, address=address, num_workers=1, version=generator.version))
+            registered = True
+            if reply.version == generator.version:
+                worker.ready.set()  # both loaded the same initial weights
+                log.info("registered with learner as %s at version %d; serving prompts", generator_id, reply.version)
             else:
-                hb = await stub.Heartbeat(learner_pb2.HeartbeatRequest(
-                    generator_id=generator_id, version=generator.version, num_inflight_groups=worker.num_inflight))
-                if not hb.registered:
-                    log.warning("learner no longer knows %s; registering again", generator_id)
-                    registered = False
-                    continue
-            delay = 0.5
+                log.info("registered as %s; learner is at version %d, waiting for its weights",
+                         generator_id, reply.version)
+        else:
+            hb = await stub.Heartbeat(learner_pb2.HeartbeatRequest(
+                generator_id=generator_id, version=generator.version, num_inflight_groups=worker.num_inflight))
+            if not hb.registered:
+                log.warning("learner no longer knows %s; registering again", generator_id)
+                registered = False
+
+    while True:
+        await retry(register_or_beat, what="learner unreachable", retry_on=grpc.aio.AioRpcError,
+                    backoff=LEARNER_UNREACHABLE, describe=rpc_problem, log=log)
+        if registered:  # one that the learner forgot registers again at once
             await asyncio.sleep(HEARTBEAT_S)
-        except grpc.aio.AioRpcError as err:
-            log.warning("learner unreachable (%s: %s); retrying in %.1fs", err.code().name, err.details(), delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
 
 
 class EngineDeadError(RuntimeError):
@@ -103,10 +105,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     await generator.start()
 
     redis = connect(config.queue.url)
-    prompts = StreamQueue(redis, config.queue.prompt_stream, group="rollout", max_len=config.queue.max_len,
-                          claim_idle_ms=config.queue.claim_idle_ms)
-    trajectories = StreamQueue(redis, config.queue.trajectory_stream, group="learner",
-                               max_len=config.queue.max_len, claim_idle_ms=config.queue.claim_idle_ms)
+    prompts, trajectories = run_streams(redis, config.queue)
     rewards = RewardPool([Replica(address, reward_pb2_grpc.RewardServiceStub(
         make_channel(address, token=token, tls=tls, default_timeout_s=config.reward.score_timeout_s)))
         for address in config.network.reward_addresses], timeout_s=config.reward.score_timeout_s)

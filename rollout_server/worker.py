@@ -46,18 +46,12 @@ class RolloutWorker:
 
     def _keep_claims(self, url: str) -> None:
         """Reset the idle time of every entry still being generated, every claim_idle_ms / 4."""
-        import redis
-
-        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        refresh = self.prompts.claim_refresher(url)
         period = self.prompts.claim_idle_ms / 4000
         while not self._keepalive_stop.wait(period):
             working = list(self._working)
-            if not working:
-                continue
-            try:
-                client.xclaim(self.prompts.stream, self.prompts.group, self.consumer, 0, working, justid=True)
-            except redis.RedisError as err:  # the queue is down: the main loop reconnects and says so
-                log.debug("claim keep-alive failed: %s", err)
+            if working:
+                refresh(self.consumer, working)
 
     async def run(self) -> None:
         await self.prompts.ensure_group()
@@ -144,9 +138,7 @@ class RolloutWorker:
 
     async def _dead_letter(self, entry: Entry, reason: str) -> None:
         log.error("prompt entry %s (key %s) rejected: %s", entry.id, entry.key, reason)
-        await self.prompts.client.xadd(f"{self.prompts.stream}:dead", {"key": entry.key, "data": entry.data,
-                                                                         "reason": reason})
-        await self.prompts.ack(entry.id)
+        await self.prompts.dead_letter(entry, reason)
 
     async def stop(self) -> None:
         self._keepalive_stop.set()

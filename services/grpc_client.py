@@ -3,18 +3,16 @@ call, and gRPC's own retry policy (exponential backoff) for UNAVAILABLE."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 import json
 import logging
-import time
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.services.auth import TLSFiles
 from rlmesh.services.grpc_server import channel_options
+from rlmesh.services.retry import Backoff, retry
 from rlmesh.services.telemetry import inject_metadata
 
 log = logging.getLogger(__name__)
@@ -95,31 +93,41 @@ class ExitedWhileStarting(RuntimeError):
     """The process behind a server died before the server became SERVING."""
 
 
+class NotServing(RuntimeError):
+    """A health check answered, with a status other than SERVING."""
+
+
+def rpc_problem(err: BaseException) -> str:
+    """A failed call in a few words for a log line: its status code and details."""
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{err.code().name}: {err.details()}"
+    return str(err)
+
+
+_STARTING = Backoff(0.2, 2.0, multiplier=1.5)
+
+
 async def wait_for_serving(
     address: str, *, what: str, timeout_s: float, token: str | None = None, service: str = "",
     alive: Callable[[], bool] | None = None,
 ) -> None:
     """Poll the standard health service until SERVING; log while waiting; raise on timeout, or at
     once with ExitedWhileStarting when `alive()` says the server's process is gone."""
-    deadline = time.monotonic() + timeout_s
-    delay, last_log = 0.2, 0.0
     async with make_channel(address, token=token, default_timeout_s=2.0) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                problem: Any = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.aio.AioRpcError as err:
-                problem = err.code().name
-            now = time.monotonic()
+
+        async def check() -> None:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                raise NotServing(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+        def exited(err: BaseException) -> None:
             if alive is not None and not alive():
                 raise ExitedWhileStarting(f"{what} exited while starting")
-            if now >= deadline:
-                raise TimeoutError(f"{what} at {address} not SERVING after {timeout_s:.0f}s (last: {problem})")
-            if now - last_log > 10:
-                log.info("waiting for %s at %s (%s); retrying", what, address, problem)
-                last_log = now
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
+
+        def timed_out(err: BaseException, elapsed_s: float) -> TimeoutError:
+            return TimeoutError(f"{what} at {address} not SERVING after {timeout_s:.0f}s (last: {rpc_problem(err)})")
+
+        await retry(check, what=f"waiting for {what} at {address}", retry_on=(grpc.aio.AioRpcError, NotServing),
+                    backoff=_STARTING, deadline_s=timeout_s, give_up=timed_out, on_failure=exited,
+                    describe=rpc_problem, log=log, level=logging.INFO, log_every_s=10.0)

@@ -21,12 +21,17 @@ import time
 from dataclasses import dataclass
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from rlmesh.services.retry import Backoff, describe_error, retry
+
+if TYPE_CHECKING:
+    from rlmesh.services.config import QueueSection
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,13 @@ return redis.call('XADD', KEYS[1], '*', 'key', ARGV[1], 'data', ARGV[2])
 
 T = TypeVar("T")
 _LOST = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+_RECONNECT = Backoff(0.1, 2.0)
+_FULL_WAIT = Backoff(0.01, 0.5)  # a producer polling a full stream
+
+PROMPT_GROUP = "rollout"
+"""The consumer group reading the prompt stream: the rollout servers."""
+TRAJECTORY_GROUP = "learner"
+"""The consumer group reading the trajectory stream: the learner."""
 
 
 class QueueUnavailable(ConnectionError):
@@ -77,6 +89,15 @@ def connect(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=5, health_check_interval=30)
 
 
+def run_streams(client: aioredis.Redis, cfg: QueueSection) -> tuple[StreamQueue, StreamQueue]:
+    """The run's prompt stream (read by the rollout servers) and trajectory stream (read by the learner)."""
+    prompts = StreamQueue(client, cfg.prompt_stream, group=PROMPT_GROUP, max_len=cfg.max_len,
+                          claim_idle_ms=cfg.claim_idle_ms)
+    trajectories = StreamQueue(client, cfg.trajectory_stream, group=TRAJECTORY_GROUP, max_len=cfg.max_len,
+                               claim_idle_ms=cfg.claim_idle_ms)
+    return prompts, trajectories
+
+
 class StreamQueue:
     """One stream + one consumer group."""
 
@@ -102,27 +123,10 @@ class StreamQueue:
 
     async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run `op`, riding out connection loss (backoff, logged) and re-creating a vanished group."""
-        delay, lost_at, last_log = 0.1, 0.0, 0.0
-        while True:
+
+        async def attempt() -> T:
             try:
-                result = await op()
-            except _LOST as err:
-                now = time.monotonic()
-                if self.connected:
-                    self.connected, lost_at = False, now
-                lost_at = lost_at or now
-                self.last_error = f"{type(err).__name__}: {err}"
-                if now - lost_at > self.reconnect_timeout_s:
-                    raise QueueUnavailable(
-                        f"{what} on stream {self.stream!r}: queue server unreachable for {now - lost_at:.0f}s "
-                        f"({self.last_error}); check that it is running and that queue.url points at it") from err
-                if now - last_log > 5:
-                    log.warning("queue server unreachable (%s) during %s on %s; retrying for up to %.0fs",
-                                self.last_error, what, self.stream, self.reconnect_timeout_s)
-                    last_log = now
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
+                return await op()
             except ResponseError as err:
                 if "NOGROUP" not in str(err):
                     raise
@@ -130,12 +134,25 @@ class StreamQueue:
                 log.error("consumer group %s of stream %s is gone (queue server restarted without its data?); "
                           "re-creating it", self.group, self.stream)
                 await self._create_group()
-                continue
-            if not self.connected:
-                self.connected = True
-                self.num_reconnects += 1
-                log.warning("queue server reachable again (%s on %s)", what, self.stream)
-            return result
+                return await op()
+
+        def lost(err: BaseException) -> None:
+            self.connected = False
+            self.last_error = describe_error(err)
+
+        def unavailable(err: BaseException, elapsed_s: float) -> QueueUnavailable:
+            return QueueUnavailable(
+                f"{what} on stream {self.stream!r}: queue server unreachable for {elapsed_s:.0f}s "
+                f"({self.last_error}); check that it is running and that queue.url points at it")
+
+        result = await retry(attempt, what=f"queue server unreachable during {what} on {self.stream}",
+                             retry_on=_LOST, backoff=_RECONNECT, deadline_s=self.reconnect_timeout_s,
+                             give_up=unavailable, on_failure=lost, log=log, log_every_s=5.0)
+        if not self.connected:
+            self.connected = True
+            self.num_reconnects += 1
+            log.warning("queue server reachable again (%s on %s)", what, self.stream)
+        return result
 
     async def _create_group(self) -> None:
         try:
@@ -150,7 +167,7 @@ class StreamQueue:
     async def publish(self, key: str, data: bytes, *, wait_timeout_s: float | None = None) -> str | None:
         """Append unless `key` was published before (then None). Waits while the stream is full;
         raises QueueFullError after `wait_timeout_s` (None: wait forever)."""
-        start, delay, warned = time.monotonic(), 0.01, False
+        start, warned, attempt = time.monotonic(), False, 0
         while True:
             result = await self._call("publish", lambda: self._publish(keys=[self.stream, self._seen_key],
                                                                       args=[key, data, self.max_len]))
@@ -167,8 +184,8 @@ class StreamQueue:
             if not warned and waited > 5:
                 log.warning("stream %s is full (%d unacked): producer waiting", self.stream, self.max_len)
                 warned = True
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            await asyncio.sleep(_FULL_WAIT.delay(attempt))
+            attempt += 1
 
     async def read(self, consumer: str, *, count: int = 16, block_ms: int | None = 1000) -> list[Entry]:
         """New entries for `consumer` (they stay pending on it until acked)."""
@@ -201,6 +218,31 @@ class StreamQueue:
             return int(acked)
 
         return await self._call("ack", op)
+
+    async def dead_letter(self, entry: Entry, reason: str) -> None:
+        """Move `entry` to the stream's dead-letter stream (`<stream>:dead`) with `reason`, and ack it."""
+        await self._call("dead-letter", lambda: self.client.xadd(
+            f"{self.stream}:dead", {"key": entry.key, "data": entry.data, "reason": reason}))
+        await self.ack(entry.id)
+
+    def claim_refresher(self, url: str, **options: Any) -> Callable[[str, list[str]], None]:
+        """A blocking `refresh(consumer, entry_ids)` that resets the idle time of entries pending on
+        `consumer`, so that `claim_stale` elsewhere does not take work still being done. It has a
+        connection of its own to `url` (`options`: redis-py's, e.g. username, password, ssl_*), for
+        a thread of its own: an event loop busy with a large batch must not let claims lapse. A
+        failure is logged at debug and skipped (the next refresh tries again; the event loop's own
+        calls report the outage)."""
+        import redis
+
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, **options)
+
+        def refresh(consumer: str, entry_ids: list[str]) -> None:
+            try:
+                client.xclaim(self.stream, self.group, consumer, 0, entry_ids, justid=True)
+            except redis.RedisError as err:
+                log.debug("claim refresh on %s failed: %s", self.stream, err)
+
+        return refresh
 
     async def depth(self) -> QueueDepth:
         async def op() -> QueueDepth:

@@ -5,11 +5,8 @@ completion was right even when the format was not."""
 
 from __future__ import annotations
 
-import re
-
-from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput, as_int
-
-_INT = re.compile(r"-?\d+")
+from rlmesh.domain.scoring import as_int, score_integer
+from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
 
 
 class ArithmeticEnvironment:
@@ -28,8 +25,6 @@ class ArithmeticEnvironment:
         if expected is None:
             return ScoreOutput(error=f"metadata.answer={answer!r} is not an integer")
         # A completion without the right number is wrong, not unscorable: reward 0, trained on.
-        text = item.completion.strip()
-        exact = float(_INT.fullmatch(text) is not None and int(text) == expected)
-        match = _INT.search(item.completion)
-        in_text = float(match is not None and int(match.group()) == expected)
-        return ScoreOutput(reward=exact, components={"correct": exact, "exact": exact, "answer_in_text": in_text})
+        verdict = score_integer(item.completion, expected)
+        return ScoreOutput(reward=verdict.correct, components={"correct": verdict.correct, "exact": verdict.correct,
+                                                               "answer_in_text": verdict.answer_in_text})

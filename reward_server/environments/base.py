@@ -102,19 +102,3 @@ def nonfinite_error(reward: float, components: Mapping[str, float]) -> str:
         return f"reward is {reward}; rewards must be finite"
     bad = sorted(k for k, v in components.items() if not math.isfinite(v))
     return f"reward component(s) {', '.join(bad)} not finite; components must be finite" if bad else ""
-
-
-def as_int(value: Any) -> int | None:
-    """`value` as an int if it is one: metadata travels as a protobuf Struct, where every number is
-    a float (3 arrives as 3.0), and datasets often write numbers as strings."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lstrip("-").isdigit():
-            return int(text)
-    return None

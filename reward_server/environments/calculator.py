@@ -16,15 +16,13 @@ final message was right even when the format was not).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
-from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
+from rlmesh.domain.scoring import as_int, score_integer
 from rlmesh.domain.tasks import ADD_TOOL, calculator_prompt
-
-_INT = re.compile(r"-?\d+")
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
+from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
 
 
 @dataclass
@@ -86,10 +84,7 @@ class CalculatorEnvironment:
             return StepOutput(observation, reward=0.0, done=True, components=self._components(state, 0.0, 0.0),
                               metadata={"turns": state.turns, "end": "max_turns"})
         state.done = True
-        stripped = text.strip()
-        correct = float(_INT.fullmatch(stripped) is not None and int(stripped) == state.answer)
-        first = _INT.search(text)
-        in_text = float(first is not None and int(first.group()) == state.answer)
+        correct, in_text = score_integer(text, state.answer)
         return StepOutput([], reward=correct, done=True, components=self._components(state, correct, in_text),
                           metadata={"turns": state.turns, "end": "answered"})
 

@@ -13,14 +13,12 @@ Components, on the step that ends the episode: `correct`, `turns` (guesses taken
 from __future__ import annotations
 
 import random
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, as_int
-
-_INT = re.compile(r"-?\d+")
+from rlmesh.domain.scoring import as_int, first_integer
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
 
 
 @dataclass
@@ -80,17 +78,16 @@ class GuessNumberEnvironment:
         if state.done:
             raise ValueError("guess_number: the episode is over; close the session")
         state.turns += 1
-        match = _INT.search(action.get("content", ""))
-        if match is None:
+        guess = first_integer(action.get("content", ""))
+        if guess is None:
             feedback = (f"I found no number in your answer. Answer with one integer between {state.low} and "
                         f"{state.high}.")
+        elif guess == state.secret:
+            state.done = True
+            return StepOutput([{"role": "user", "content": "correct"}], reward=1.0, done=True,
+                              components={"correct": 1.0, "turns": float(state.turns)},
+                              metadata={"turns": state.turns, "secret": state.secret, "end": "guessed"})
         else:
-            guess = int(match.group())
-            if guess == state.secret:
-                state.done = True
-                return StepOutput([{"role": "user", "content": "correct"}], reward=1.0, done=True,
-                                  components={"correct": 1.0, "turns": float(state.turns)},
-                                  metadata={"turns": state.turns, "secret": state.secret, "end": "guessed"})
             feedback = "higher" if state.secret > guess else "lower"
         if state.turns >= state.max_turns:
             state.done = True

@@ -20,25 +20,25 @@ dict of components with a `reward` key; without one, `exact_answer` compares the
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmesh.domain.scoring import as_int, score_integer
 from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
 from rlmesh.reward_server.environments.function import load_callable
 from rlmesh.reward_server.environments.loop_thread import LoopThread
 from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
 
-_INT = re.compile(r"-?\d+")
-
 
 def exact_answer(answer: str, metadata: dict[str, Any], messages: list[Message]) -> dict[str, float]:
-    """1 when the final answer is exactly `metadata.answer` (as an integer where both are integers)."""
-    want, got = str(metadata.get("answer", "")).strip(), answer.strip()
-    if _INT.fullmatch(got) and re.fullmatch(r"-?\d+(\.0+)?", want):
-        correct = float(int(got) == int(float(want)))
+    """1 when the final answer is exactly `metadata.answer`: as an exact integer where the answer
+    expected is one, else as the same text (surrounding whitespace aside)."""
+    expected = as_int(metadata.get("answer"))
+    if expected is not None:
+        correct = score_integer(answer, expected).correct
     else:
-        correct = float(got == want and want != "")
+        want = str(metadata.get("answer", "")).strip()
+        correct = float(answer.strip() == want and want != "")
     return {"reward": correct, "correct": correct}
 
 

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from rlmesh.services.queue import QueueFullError, StreamQueue, connect
+from rlmesh.services.queue import QueueFullError, QueueUnavailable, StreamQueue, connect
 
 pytestmark = pytest.mark.integration
 
@@ -94,3 +94,36 @@ async def test_restarted_consumer_replays_its_own_pending(valkey_url):
     await q.read("learner", count=1, block_ms=100)
     replay = await q.read_own_pending("learner")
     assert [e.key for e in replay] == ["a"]
+
+
+async def test_dead_letter_moves_the_entry_with_its_reason_and_acks_it(valkey_url):
+    q = _queue(valkey_url, f"test:{uuid.uuid4().hex}")
+    await q.ensure_group()
+    await q.publish("bad", b"not a PromptGroup")
+    entry = (await q.read("c", count=1, block_ms=100))[0]
+    await q.dead_letter(entry, "undecodable PromptGroup")
+    assert (await q.depth()).length == 0
+    [(_, fields)] = await q.client.xrange(f"{q.stream}:dead")
+    assert fields == {b"key": b"bad", b"data": b"not a PromptGroup", b"reason": b"undecodable PromptGroup"}
+
+
+async def test_refreshed_claims_are_not_taken_by_another_consumer(valkey_url):
+    q = _queue(valkey_url, f"test:{uuid.uuid4().hex}", claim_idle_ms=300)
+    await q.ensure_group()
+    for key in ("kept", "stale"):
+        await q.publish(key, b"x")
+    held = await q.read("busy", count=2, block_ms=100)
+    refresh = q.claim_refresher(valkey_url)
+    for _ in range(4):  # the busy consumer keeps working on "kept" only
+        await asyncio.sleep(0.15)
+        await asyncio.to_thread(refresh, "busy", [e.id for e in held if e.key == "kept"])
+    assert [e.key for e in await q.claim_stale("other")] == ["stale"]
+    # Refreshing through a queue server that is gone is skipped, not raised (the event loop reports outages).
+    _queue("redis://127.0.0.1:1", q.stream).claim_refresher("redis://127.0.0.1:1")("busy", ["0-1"])
+
+
+async def test_an_unreachable_queue_server_is_reported_naming_the_stream(valkey_url):
+    q = _queue("redis://127.0.0.1:1", "test:nowhere", reconnect_timeout_s=0.5)
+    with pytest.raises(QueueUnavailable, match=r"publish on stream 'test:nowhere': queue server unreachable for [0-9]+s"):
+        await q.publish("k", b"x")
+    assert not q.connected and "ConnectionError" in q.last_error
