@@ -1,15 +1,19 @@
-"""Prompt datasets: generated arithmetic problems or JSONL files. An example carries the chat
-messages to send and an opaque metadata dict for its environment (the learner never looks inside)."""
+"""Prompt datasets: generated arithmetic problems, JSONL files, or anything Hugging Face `datasets`
+reads (`rlmesh.learner.hf_data`). An example carries the chat messages to send and an opaque
+metadata dict for its environment (the learner never looks inside). Training examples are read in
+one order given by a cursor (`TrainData.at`), so a cursor saved in a checkpoint resumes exactly."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlmesh.services.config import ArithmeticDataSection, CalculatorDataSection, DataSection, JsonlDataSection
+from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
+                                    JsonlDataSection)
 from rlmesh.domain.tasks import ADD_TOOL, calculator_prompt
 
 
@@ -128,7 +132,7 @@ def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
             metadata = {k: v for k, v in row.items() if k not in ("id", cfg.messages_key, cfg.prompt_key, "env")}
         if cfg.answer_key != "answer" and cfg.answer_key in row:
             metadata.setdefault("answer", row[cfg.answer_key])
-        pair = {key: _assistant_turn(row[name], f"{where}: {name!r}") if name in row else None
+        pair = {key: assistant_turn(row[name], f"{where}: {name!r}") if name in row else None
                 for key, name in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key))}
         for name in (cfg.chosen_key, cfg.rejected_key):
             metadata.pop(name, None)
@@ -137,7 +141,7 @@ def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
     return out
 
 
-def _assistant_turn(value: Any, where: str) -> str:
+def assistant_turn(value: Any, where: str) -> str:
     """A preference side as text: a plain string, or TRL's conversational form (a list of messages
     whose last one is the assistant's)."""
     if isinstance(value, str):
@@ -148,8 +152,59 @@ def _assistant_turn(value: Any, where: str) -> str:
     raise ValueError(f"{where} must be a string or a list of messages ending in an assistant message")
 
 
-def load_dataset(cfg: DataSection, seed: int) -> tuple[list[Example], list[Example]]:
-    """(train, eval) examples."""
+@runtime_checkable
+class TrainData(Protocol):
+    """Training examples as the learner and the offline recipes read them."""
+
+    def at(self, cursor: int) -> Example:
+        """The `cursor`-th example issued (0, 1, 2, ... across epochs)."""
+
+    def draw(self, rng: random.Random, k: int) -> list[Example]:
+        """A batch for an offline recipe (SFT): drawn with replacement from an in-memory set; a
+        stream gives its next k rows."""
+
+
+class TrainOrder(Sequence[Example]):
+    """In-memory training examples, issued epoch after epoch; with `shuffle` each epoch is a new
+    permutation seeded by (seed, epoch), so the order depends on the cursor alone."""
+
+    def __init__(self, examples: list[Example], seed: int = 0, shuffle: bool = False) -> None:
+        self.examples, self.seed, self.shuffle = examples, seed, shuffle
+        self._epoch, self._order = -1, list(range(len(examples)))
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.examples[i]
+
+    def at(self, cursor: int) -> Example:
+        if not self.examples:
+            raise ValueError("the training data has no examples; check data.* (files, split, num_train)")
+        epoch, i = divmod(cursor, len(self.examples))
+        if not self.shuffle:
+            return self.examples[i]
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, list(range(len(self.examples)))
+            random.Random(f"{self.seed}/epoch/{epoch}").shuffle(self._order)
+        return self.examples[self._order[i]]
+
+    def draw(self, rng: random.Random, k: int) -> list[Example]:
+        return rng.choices(self.examples, k=k)
+
+
+def in_order(train: TrainData | list[Example]) -> TrainData:
+    """`train` as TrainData; a plain list is issued in its own order, round after round."""
+    return train if isinstance(train, TrainData) else TrainOrder(list(train))
+
+
+def load_dataset(cfg: DataSection, seed: int) -> tuple[TrainData, list[Example]]:
+    """(train, eval) examples; the built-in kinds and JSONL files keep their order (a TrainOrder
+    without shuffling), `data.type: hf` shuffles per epoch unless `data.shuffle=false`."""
+    if isinstance(cfg, HFDataSection):
+        from rlmesh.learner.hf_data import load_hf
+
+        return load_hf(cfg, seed)
     if isinstance(cfg, ArithmeticDataSection):
         return _arithmetic(cfg, seed)
     if isinstance(cfg, CalculatorDataSection):

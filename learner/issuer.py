@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from google.protobuf.struct_pb2 import Struct
 
-from rlmesh.learner.data import Example
+from rlmesh.learner.data import Example, TrainData, in_order
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import StreamQueue
 
 
 class PromptIssuer:
-    def __init__(self, prompts: StreamQueue, run_id: str, train_set: list[Example], *, group_size: int,
+    def __init__(self, prompts: StreamQueue, run_id: str, train_set: TrainData | list[Example], *, group_size: int,
                  groups_per_step: int, max_staleness: int) -> None:
-        self.prompts, self.run_id, self.train_set = prompts, run_id, train_set
+        self.prompts, self.run_id, self.train_set = prompts, run_id, in_order(train_set)
         self.group_size, self.B, self.k = group_size, groups_per_step, max_staleness
         # Issued and not back yet: group id -> (split, serialized PromptGroup).
         self.outstanding: dict[str, tuple[str, bytes]] = {}
@@ -26,7 +26,7 @@ class PromptIssuer:
         self.unknown_in_flight = 0
         self.num_issued = 0
         self.num_reissued = 0
-        self.cursor = 0  # next train example (saved in checkpoints)
+        self.cursor = 0  # next train example, `train_set.at(cursor)` (saved in checkpoints)
 
     @property
     def in_flight(self) -> int:
@@ -55,7 +55,7 @@ class PromptIssuer:
         how many were issued."""
         budget = max((self.k + 1) * self.B - self.in_flight - num_buffered, 0)
         for _ in range(budget):
-            ex = self.train_set[self.cursor % len(self.train_set)]
+            ex = self.train_set.at(self.cursor)
             self.cursor += 1
             await self.publish(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
         return budget

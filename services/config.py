@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 
 class Section(BaseModel):
@@ -125,8 +127,55 @@ class CalculatorDataSection(Section):
 
 
 DataSection = Annotated[
-    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection], Field(discriminator="type")
+    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection], Field(discriminator="type")
 ]
+class HFDataSection(Section):
+    type: Literal["hf"] = "hf"
+    """Prompts through Hugging Face `datasets`: local data files, a saved dataset directory, or a hub dataset."""
+    path: str
+    """A data file or glob (.jsonl, .json, .parquet, .arrow, .csv), a directory written by `save_to_disk`, a directory of data files, or a hub dataset name (where a hub is reachable)."""
+    name: str | None = None
+    """Hub dataset configuration (e.g. `main` for openai/gsm8k)."""
+    split: str = "train"
+    """Split trained on."""
+    eval_path: str | None = None
+    """Where the held-out split is, in the same forms as `path` (unset: `path`; required when `path` is a single data file or glob)."""
+    eval_split: str = "test"
+    """Held-out split."""
+    num_train: int | None = Field(None, gt=0)
+    """Use only the first N training rows (unset: all)."""
+    num_eval: int | None = Field(None, gt=0)
+    """Use only the first N held-out rows (unset: all); eval rows are always held in memory."""
+    streaming: bool = False
+    """Read training rows as a stream (for files too big for memory): shuffled through a seeded buffer (`shuffle_buffer`), never indexed."""
+    shuffle: bool = True
+    """Reshuffle the training rows every epoch, seeded by run.seed and the epoch (false: file order)."""
+    shuffle_buffer: int = Field(10000, ge=1)
+    """Rows in the shuffle buffer when streaming."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (a user message); used when a row has no `messages_key` column."""
+    messages_key: str = "messages"
+    """Column holding the chat messages ([{role, content}, ...]); takes precedence over prompt_key."""
+    prompt_template: str | None = None
+    """Text the prompt column is put into at `{prompt}`, e.g. `{prompt} Put the final answer in \\boxed{}.` (unset: the text alone)."""
+    system_prompt: str | None = None
+    """A system message put before the prompt (unless the row's messages start with one)."""
+    answer_key: str = "answer"
+    """Column holding the reference answer: the environment's metadata.answer, and the SFT target (e.g. GSM8K's worked solution ending in `#### 42`)."""
+    metadata_keys: list[str] | None = None
+    """Columns passed to the environment as metadata (unset: every column but the prompt, messages, chosen and rejected ones)."""
+    chosen_key: str = "chosen"
+    """For `rlmesh dpo`: column holding the preferred assistant turn (a string, or a list of messages ending in the assistant's)."""
+    rejected_key: str = "rejected"
+    """For `rlmesh dpo`: column holding the dispreferred assistant turn (same forms as chosen_key)."""
+    id_key: str | None = None
+    """Column holding a row id (unset: `<split>-<row number>`)."""
+    env_name: str = "math"
+    """Environment that scores these prompts."""
+    env_key: str | None = None
+    """Column naming a row's own environment, overriding env_name (unset: every row uses env_name)."""
+
+
 
 
 class EpisodeSection(Section):
@@ -460,54 +509,75 @@ class ConfigError(ValueError):
     """A config file or override is wrong; the message names the field and the fix."""
 
 
-def _allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
-    """Field names of the (sub)model at `loc` (pydantic's raw error location), for error messages."""
-    current: Any = model
-    for part in loc:
-        if isinstance(current, list):  # a discriminated union: pydantic puts the tag in loc
-            current = next((m for m in current if m.model_fields["type"].default == part), None)
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return None
-        field = current.model_fields.get(str(part))
-        if field is None:
-            return None
-        current = _unwrap(field.annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return sorted(current.model_fields)
-    return None
+@dataclass(frozen=True)
+class _Tagged:
+    """A discriminated union in the config tree: its members by tag. Pydantic puts the tag in an
+    error's location, after the field's name; it is not a key the user writes."""
+
+    members: dict[Any, Any]
 
 
-def _unwrap(annotation: Any) -> Any:
-    """The model class behind an annotation, or a list of members for a union of models."""
+@dataclass(frozen=True)
+class _Keyed:
+    """A dict (or list) field: any key (or index), then `value`."""
+
+    value: Any
+
+
+def _node(annotation: Any, discriminator: Any = None) -> Any:
+    """What a field's annotation holds, for walking an error location: a model class, a `_Tagged`
+    union (`Annotated[Union[...], Field(discriminator=...)]`, also as a field's own discriminator),
+    a `_Keyed` container, or None for a plain value."""
     origin = typing.get_origin(annotation)
     if origin is Annotated:
-        return _unwrap(typing.get_args(annotation)[0])
+        inner, *extras = typing.get_args(annotation)
+        found = next((x.discriminator for x in extras if isinstance(x, FieldInfo) and x.discriminator), None)
+        return _node(inner, found or discriminator)
     if origin in (Union, types.UnionType):
         members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return members[0] if len(members) == 1 else members
-    return annotation
+        if isinstance(discriminator, str):
+            return _Tagged({tag: m for m in members
+                            for tag in typing.get_args(m.model_fields[discriminator].annotation)})
+        return _node(members[0]) if len(members) == 1 else None
+    if origin in (dict, list):
+        return _Keyed(_node(typing.get_args(annotation)[-1]))
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _config_path(loc: tuple[Any, ...]) -> tuple[list[str], Any]:
+    """Pydantic's raw error location as the keys a user writes (the union tags it adds dropped),
+    and what the location ends in (a model class, or None), read from RunConfig's annotations."""
+    keys: list[str] = []
+    node: Any = RunConfig
+    for part in loc:
+        if isinstance(node, _Tagged):
+            node = node.members.get(part)
+            continue
+        keys.append(str(part))
+        if isinstance(node, _Keyed):
+            node = node.value
+        elif isinstance(node, type) and str(part) in node.model_fields:
+            field = node.model_fields[str(part)]
+            node = _node(field.annotation, field.discriminator)
+        else:
+            node = None
+    return keys, node
 
 
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
-        where = ".".join(str(p) for p in loc) or "<root>"
+        keys, _ = _config_path(tuple(e["loc"]))
+        where = ".".join(keys) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            allowed = _allowed_fields(RunConfig, tuple(e["loc"][:-1]))
-            msg = f"unknown key '{loc[-1]}'" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+            _, parent = _config_path(tuple(e["loc"][:-1]))
+            allowed = sorted(parent.model_fields) if isinstance(parent, type) else None
+            msg = f"unknown key '{keys[-1]}'" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
         elif "input" in e and e["type"] not in ("missing",):
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {where}: {msg}")
     return "invalid config:\n" + "\n".join(lines)
-
-
-# Discriminator values pydantic puts in error locations; they are not field names.
-_UNION_TAGS = {m.model_fields["type"].default for m in (TinyModelSection, HFModelSection,
-                                                         ArithmeticDataSection, JsonlDataSection,
-                                                         FSDP2BackendSection, MegatronBackendSection)}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rlmesh.learner.train.batch import MicroBatch, Sequence, plan_step
-from rlmesh.learner.data import Example, load_dataset
+from rlmesh.learner.data import Example, TrainOrder, load_dataset
 from rlmesh.learner.metrics import MetricsWriter
 from rlmesh.learner.recipes.offline import train_offline
 from rlmesh.learner.recipes.sft import prepare_model, run_sft
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 def preference_pairs(examples: list[Example], split: str) -> list[Example]:
     pairs = [ex for ex in examples if ex.chosen is not None and ex.rejected is not None]
     if not pairs:
-        raise ValueError(f"the {split} data has no preference pairs: give each JSONL row a chosen and a rejected "
+        raise ValueError(f"the {split} data has no preference pairs: give each row a chosen and a rejected "
                          "assistant turn (data.chosen_key / data.rejected_key), or use data.type=arithmetic")
     return pairs
 
@@ -103,8 +103,11 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
     if config.learner.micro_batch_size % 2:
         raise ValueError(f"learner.micro_batch_size={config.learner.micro_batch_size}: DPO keeps each (chosen, rejected) "
                          "pair in one micro-batch, so it must be even")
-    train_set, eval_set = load_dataset(config.data, config.run.seed)
-    train_set, eval_set = preference_pairs(train_set, "train"), preference_pairs(eval_set, "held-out")
+    train_data, eval_set = load_dataset(config.data, config.run.seed)
+    if not isinstance(train_data, TrainOrder):
+        raise ValueError("rlmesh dpo computes the reference logprobs of every training pair before its first step, "
+                         "so it needs the pairs in memory: set data.streaming=false")
+    train_set, eval_set = preference_pairs(list(train_data), "train"), preference_pairs(eval_set, "held-out")
     if config.sft.num_steps > 0:
         model_dir = str(run_sft(config, output / "sft_model", show_progress=show_progress))
     else:

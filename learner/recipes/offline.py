@@ -12,27 +12,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlmesh.learner.data import Example
+    from rlmesh.learner.data import Example, TrainData
     from rlmesh.learner.metrics import MetricsWriter
     from rlmesh.learner.train.trainer import Trainer
     from rlmesh.services.config import DPOSection, SFTSection
 
 
-def train_offline(trainer: Trainer, examples: list[Example], rng: random.Random, section: SFTSection | DPOSection, *,
+def train_offline(trainer: Trainer, examples: TrainData | list[Example], rng: random.Random,
+                  section: SFTSection | DPOSection, *,
                   output: Path, tokenizer: Any, source_dir: str, desc: str,
                   postfix: Callable[[dict[str, float]], dict[str, str]], show_progress: bool | None = None,
                   metrics: MetricsWriter | None = None, evaluate: Callable[[int], dict] | None = None,
                   eval_every: int = 0) -> dict | None:
     """`section.num_steps` steps of `section.batch_size` examples drawn (with replacement) from
-    `examples` by `rng`, at `section.lr`; then the model goes to `output`. Returns the final
+    `examples` by `rng` (a streamed dataset gives its next rows instead: `TrainData.draw`), at
+    `section.lr`; then the model goes to `output`. Returns the final
     evaluation's record (None without `evaluate`)."""
     from tqdm import tqdm
 
+    from rlmesh.learner.data import in_order
+
+    data = in_order(examples)
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     bar = tqdm(range(1, section.num_steps + 1), desc=desc, disable=not show_progress)
     for step in bar:
-        seqs = trainer.objective.sequences(rng.choices(examples, k=section.batch_size))
+        seqs = trainer.objective.sequences(data.draw(rng, section.batch_size))
         step_metrics = trainer.step(seqs, section.lr)
         if metrics is not None:
             metrics.write({"kind": "train", "step": step, **step_metrics})

@@ -20,7 +20,9 @@ OLD_TOP_LEVEL = ("services", "learner", "rollout_server", "reward_server", "entr
 
 V1, DOMAIN, SERVICES = "rlmesh.v1", "rlmesh.domain", "rlmesh.services"
 ENGINE = "rlmesh.learner.train"
-LEARNER_SHARED = ("rlmesh.learner.data", "rlmesh.learner.metrics")
+# data.py and hf_data.py (`data.type: hf`) are one concept: the examples every recipe and the RL service read.
+DATA = ("rlmesh.learner.data", "rlmesh.learner.hf_data")
+LEARNER_SHARED = (*DATA, "rlmesh.learner.metrics")
 
 # Layers, most specific prefix first: a module belongs to the first layer its name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -29,7 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rlmesh.services", (V1, SERVICES)),
     ("rlmesh.learner.train", (V1, DOMAIN, SERVICES, ENGINE)),
     ("rlmesh.learner.devtools", (V1, DOMAIN, SERVICES, "rlmesh.learner.devtools")),
-    ("rlmesh.learner.data", (V1, DOMAIN, SERVICES, "rlmesh.learner.data")),
+    ("rlmesh.learner.data", (V1, DOMAIN, SERVICES, *DATA)),
+    ("rlmesh.learner.hf_data", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.metrics", (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics")),
     ("rlmesh.learner.recipes", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED,
                                 "rlmesh.learner.devtools", "rlmesh.learner.recipes")),
