@@ -18,9 +18,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlmesh.services.config import RunConfig, dump_config
 from rlmesh.services.ports import free_port
@@ -47,8 +50,9 @@ class Service:
 
 
 class Mesh:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
+        self.env = env  # extra environment of every service (e.g. PYTHONPATH for a user's reward function)
         self.services: list[Service] = []
         self.valkey = None
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -57,22 +61,23 @@ class Mesh:
         log_path = self.run_dir / "logs" / f"{name}.log"
         # Own session: stopping the service's process group also stops its children (vLLM's engine,
         # torchrun's ranks).
-        svc = Service(name, self._popen(argv, launcher, log_path), log_path, argv, launcher)
+        svc = Service(name, self._popen(argv, launcher, log_path, self.env), log_path, argv, launcher)
         self.services.append(svc)
         log.info("started %s (pid %d), log: %s", name, svc.proc.pid, log_path)
         return svc
 
     @staticmethod
-    def _popen(argv: list[str], launcher: list[str] | None, log_path: Path) -> subprocess.Popen:
+    def _popen(argv: list[str], launcher: list[str] | None, log_path: Path,
+               env: dict[str, str] | None) -> subprocess.Popen:
         cmd = [sys.executable, *(launcher or []), "-m", "rlmesh.entrypoints.cli", *argv]
         return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=os.getcwd())
+                                cwd=os.getcwd(), env={**os.environ, **env} if env else None)
 
     def restart(self, svc: Service) -> None:
         _signal_group(svc.proc, signal.SIGKILL)  # whatever the dead service left behind (vLLM's engine)
         svc.restarts += 1
         svc.restart_at = None
-        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path)
+        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path, self.env)
         log.warning("restarted %s (pid %d, restart %d)", svc.name, svc.proc.pid, svc.restarts)
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -104,35 +109,58 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_up(config: RunConfig, args: argparse.Namespace) -> int:
+def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | None = None,
+           env: dict[str, str] | None = None) -> int:
+    """`rlmesh up`; also the body of `rlmesh.train`, which passes `on_row` (called with every new
+    metrics.jsonl row, in order, as the run goes) and `env` (extra environment of every service)."""
+    from rlmesh.learner.stop import clear_stop_request
     from rlmesh.services.telemetry import setup_logging
 
     setup_logging("up", config.logging.level)
-    run_dir = Path(args.run_dir) if args.run_dir else Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     dump_config(config, run_dir / "config.yaml")
+    clear_stop_request(run_dir)
     print(f"rlmesh up: run directory {run_dir}", flush=True)
-    mesh = Mesh(run_dir)
+    mesh = Mesh(run_dir, env)
     interrupted = False
 
     def on_signal(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
 
     # Explicitly for SIGINT too: a shell starting us in the background leaves SIGINT ignored, and
-    # Python then installs no KeyboardInterrupt handler of its own.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    # Python then installs no KeyboardInterrupt handler of its own. Put back afterwards: under
+    # `rlmesh.train` this is the user's process. Only the main thread may set handlers.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _run(mesh, config, run_dir)
+        return _run(mesh, config, run_dir, on_row)
     except KeyboardInterrupt:
         interrupted = True
         print("\nrlmesh up: interrupted; stopping every service", file=sys.stderr, flush=True)
         return 130
     finally:
         mesh.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if not interrupted:
             print(f"rlmesh up: all services stopped; outputs in {run_dir}", flush=True)
+
+
+def new_run_dir(config: RunConfig) -> Path:
+    """A fresh `<run.output_dir>/<run.name>-<time>` (created), suffixed `-2`, `-3`, ... when another
+    run started in the same second: a shared directory would resume the other run's checkpoints."""
+    base = Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
 
 
 def _check_model_path(config: RunConfig) -> None:
@@ -148,7 +176,8 @@ def _check_model_path(config: RunConfig) -> None:
                          "(config.json, weights, tokenizer) or use model.type=tiny")
 
 
-def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
+def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
+         on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
     from rlmesh.services.config import HFModelSection
 
     _check_model_path(config)
@@ -196,7 +225,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path) -> int:
 
     _wait_serving(mesh, host, {"reward": reward_port, "learner": learner_port})
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
-    return _watch(mesh, learner, config, run_dir)
+    return _watch(mesh, learner, config, run_dir, on_row)
 
 
 def _wait_serving(mesh: Mesh, host: str, ports: dict[str, int]) -> None:
@@ -248,7 +277,8 @@ def tqdm_write(text: str) -> None:
     tqdm.write(text, file=sys.stderr)
 
 
-def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> int:
+def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
+           on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
     from tqdm import tqdm
 
     from rlmesh.learner.metrics import read_metrics
@@ -256,7 +286,11 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> in
     bar = tqdm(total=config.learner.num_steps, desc="GRPO", unit="step", disable=not config.logging.progress,
                dynamic_ncols=True)
     seen = 0
+    # Callbacks see rows sooner, so a stop they ask for lands nearer the step they saw.
+    poll_s = 0.2 if on_row is not None else 1.0
     while True:
+        # Read after checking for the learner's exit, so the rows it wrote last are not missed.
+        done = learner.proc.poll() == 0
         bad = _supervise(mesh, learner, config.run.max_restarts)
         if bad is not None:
             bar.close()
@@ -272,8 +306,10 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> in
                                 stale=r["staleness_max"])
             elif r.get("kind") == "eval":
                 tqdm.write(f"held-out accuracy at version {r['version']}: {r['accuracy']:.3f}")
+            if on_row is not None:
+                on_row(r)
         seen = len(rows)
-        if learner.proc.poll() == 0:
+        if done:
             bar.close()
             summary_path = run_dir / "summary.json"
             summary = json.loads(summary_path.read_text())
@@ -286,4 +322,4 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path) -> in
                   f"{'==' if same else '!='} learner weights (sha256 {summary['learner_weights_sha256'][:16]})")
             print(f"reward curve: {run_dir / 'reward_curve.png'}")
             return 0 if same else 1
-        time.sleep(1.0)
+        time.sleep(poll_s)

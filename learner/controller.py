@@ -25,6 +25,7 @@ from rlmesh.learner.data import load_dataset
 from rlmesh.learner.evaluator import Arrivals, Evaluator, episode_stats
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.membership import LearnerService, Membership
+from rlmesh.learner.stop import stop_requested
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from rlmesh.services.auth import TLSFiles, load_token
 from rlmesh.services.config import HFModelSection, RunConfig
@@ -278,6 +279,10 @@ class Controller:
             # Leftovers from the last step are one version older now: re-check them.
             ready = [(e, g) for e, g in ready if not await self.admission.drop_if_stale(e, g, self.version)]
             ready = await self._fill(ready)
+            # A stop request (rlmesh.train's callbacks) ends the run at the last finished step.
+            if (reason := stop_requested(self.run_dir)) is not None:
+                log.info("stop requested (%s): ending the run at version %d", reason, self.version)
+                break
             # Oldest first: leftovers are the freshest groups, so fewer of them age past the bound.
             ready.sort(key=lambda eg: staleness(eg[1], self.version), reverse=True)
             batch, ready = ready[: self.B], ready[self.B :]
@@ -357,6 +362,7 @@ class Controller:
             "last_weights_sha256": self.broadcaster.last_digest,
             "learner_weights_sha256": learner_digest,
             "checkpoint": str(checkpoint),
+            "stop_requested": stop_requested(self.run_dir),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

@@ -73,7 +73,7 @@ def _arithmetic(cfg: ArithmeticDataSection, seed: int) -> tuple[list[Example], l
         # One preference pair per problem for `rlmesh dpo`: the answer over the answer with the
         # stray "!" the demo's noisy warm start learns (the habit GRPO unlearns in the demo).
         examples.append(Example(id=f"{a}{op}{b}", messages=[{"role": "user", "content": f"{a}{op}{b}="}],
-                                env="arithmetic", metadata={"answer": answer}, chosen=answer, rejected=f"{answer}!"))
+                                env=cfg.env_name, metadata={"answer": answer}, chosen=answer, rejected=f"{answer}!"))
     eval_set = examples[: cfg.num_eval]
     train = examples[cfg.num_eval :][: cfg.num_train]
     return train, eval_set

@@ -80,6 +80,8 @@ class ArithmeticDataSection(Section):
     """Operands are drawn from [0, max_operand]."""
     ops: list[Literal["+", "-", "*"]] = ["+"]
     """Operators to draw from."""
+    env_name: str = "arithmetic"
+    """Environment that scores these prompts (e.g. a reward function registered under `reward.functions`)."""
 
 
 class JsonlDataSection(Section):
@@ -590,37 +592,50 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, yaml.safe_load(raw) if raw.strip() else ""
 
 
+def set_path(data: dict[str, Any], path: list[str], value: Any, what: str) -> None:
+    """Set `data[path[0]][path[1]]... = value`, creating sections; `what` names the override in errors."""
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {what}: '{part}' is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for text in overrides:
         path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: '{part}' is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        set_path(data, path, value, repr(text))
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read YAML (if given), apply overrides, validate. Raises ConfigError with a readable message."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        data = loaded or {}
-    apply_overrides(data, overrides or [])
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's mapping, not yet validated."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    loaded = yaml.safe_load(p.read_text())
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return loaded or {}
+
+
+def validate_config(data: dict[str, Any]) -> RunConfig:
+    """A RunConfig from a mapping; raises ConfigError with a readable message."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (if given), apply overrides, validate. Raises ConfigError with a readable message."""
+    data = read_config_file(path) if path is not None else {}
+    apply_overrides(data, overrides or [])
+    return validate_config(data)
 
 
 def dump_config(config: RunConfig, path: str | Path) -> None:
