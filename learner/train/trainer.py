@@ -88,7 +88,8 @@ class Trainer:
         self.backend.load_checkpoint(Path(path) / "dcp")
         # A checkpoint from fewer ranks has no RNG state for this rank: take rank 0's.
         rng = Path(path) / f"rng_rank{self.rank}.pt"
-        state = torch.load(rng if rng.is_file() else Path(path) / "rng_rank0.pt", weights_only=False)
+        # weights_only: a checkpoint directory must not be a way to run code in the learner.
+        state = torch.load(rng if rng.is_file() else Path(path) / "rng_rank0.pt", weights_only=True)
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
 
