@@ -128,9 +128,6 @@ class CalculatorDataSection(Section):
         return self
 
 
-DataSection = Annotated[
-    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection], Field(discriminator="type")
-]
 class HFDataSection(Section):
     type: Literal["hf"] = "hf"
     """Prompts through Hugging Face `datasets`: local data files, a saved dataset directory, or a hub dataset."""
@@ -178,6 +175,9 @@ class HFDataSection(Section):
     """Column naming a row's own environment, overriding env_name (unset: every row uses env_name)."""
 
 
+DataSection = Annotated[
+    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection], Field(discriminator="type")
+]
 
 
 class EpisodeSection(Section):
