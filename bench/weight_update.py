@@ -30,11 +30,13 @@ SIZES = {"tiny": dict(), "100m": dict(hidden_size=1024, num_layers=9, num_heads=
 
 RAW_RECEIVER = """
 import json, sys
+from rlmesh.services.weights.base import Rendezvous
 from rlmesh.services.weights.gloo import join_group, receive
 from rlmesh.services.weights.wire import TensorMeta
 spec = json.load(open(sys.argv[1]))
 metas = [TensorMeta(m[0], m[1], tuple(m[2])) for m in spec["metas"]]
-store, group = join_group("127.0.0.1", spec["port"], 1, 2, 99, 300)
+ticket = Rendezvous("127.0.0.1", spec["port"], spec["prefix"], bytes.fromhex(spec["secret"]))
+group = join_group(ticket, 1, 2, 300)
 for _ in range(spec["rounds"]):
     for _ in receive(group, metas):
         pass
@@ -43,13 +45,15 @@ for _ in range(spec["rounds"]):
 
 def raw_broadcast(named, rounds: int, tmp: Path) -> list[float]:
     from rlmesh.services.config import WeightSyncSection
-    from rlmesh.services.weights.gloo import GlooTransport
+    from rlmesh.services.weights.base import build_sender
     from rlmesh.services.weights.wire import describe
 
-    transport = GlooTransport(WeightSyncSection(timeout_s=300))
+    transport = build_sender(WeightSyncSection(timeout_s=300))
     metas = describe(named)
+    ticket = transport.rendezvous(99)
     spec = tmp / "raw.json"
-    spec.write_text(json.dumps({"port": transport.store.port, "rounds": rounds + 1,
+    spec.write_text(json.dumps({"port": ticket.master_port, "prefix": ticket.prefix, "secret": ticket.secret.hex(),
+                                "rounds": rounds + 1,
                                 "metas": [[m.name, m.dtype, list(m.shape)] for m in metas]}))
     child = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(spec)], cwd=REPO,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -68,14 +72,14 @@ async def mesh_broadcast(model_dir: Path, named, rounds: int, tmp: Path) -> list
     from bench.harness import rollout_harness
     from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
     from rlmesh.services.config import WeightSyncSection
-    from rlmesh.services.weights.gloo import GlooTransport
+    from rlmesh.services.weights.base import build_sender
 
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)
 
     async with rollout_harness(model_dir, tmp, rollout={"max_model_len": 128, "kv_cache_gib": 1}) as h:
         sync = WeightSyncSection(timeout_s=300)
-        broadcaster = WeightBroadcaster(h.membership, sync, GlooTransport(sync), run_torch)
+        broadcaster = WeightBroadcaster(h.membership, sync, build_sender(sync), run_torch)
         source = WeightSource.of(named)
         await broadcaster.broadcast(1, source)  # forms the group, warms up
         out = []

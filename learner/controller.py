@@ -73,7 +73,7 @@ class Controller:
         from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
         from rlmesh.learner.metrics import MetricsWriter
         from rlmesh.learner.train.trainer import Trainer
-        from rlmesh.services.weights.base import build_transport
+        from rlmesh.services.weights.base import build_sender
 
         cfg = self.config
         token = load_token(cfg.network.token_file, cfg.network.token_env)
@@ -99,7 +99,7 @@ class Controller:
                                          host=cfg.network.host, port=port, token=token, tls=TLSFiles.from_env())
         log.info("learner control plane on port %d (run %s, %d training rank(s))", self.server.port, self.run_id,
                  self.trainer.world_size)
-        self.broadcaster = WeightBroadcaster(self.membership, cfg.weight_sync, build_transport(cfg.weight_sync),
+        self.broadcaster = WeightBroadcaster(self.membership, cfg.weight_sync, build_sender(cfg.weight_sync),
                                              self._torch)
 
         train_set, eval_set = load_dataset(cfg.data, cfg.run.seed)

@@ -107,6 +107,8 @@ class VLLMGenerator:
             # Logprobs of the distribution actually sampled from (after temperature / top-p).
             logprobs_mode="processed_logprobs",
             weight_transfer_config={"backend": self.weight_backend},
+            # Lets received_digests() ask each worker what it received (reported to the learner over gRPC).
+            worker_extension_cls="rlmesh.rollout_server.weight_engine.WorkerDigests",
             disable_log_stats=True,
         )
         t0 = time.monotonic()
@@ -185,7 +187,7 @@ class VLLMGenerator:
 
     # --- weight-transfer control plane (mirrors vLLM's) --------------------------------------
 
-    async def init_weight_transfer(self, init_info: dict) -> None:
+    async def init_weight_transfer(self, init_info: dict, group_epoch: int) -> None:
         """Join a (new) broadcast group, first closing any update a previous learner left open."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
@@ -193,7 +195,7 @@ class VLLMGenerator:
             log.warning("a weight update was left open by a previous broadcast group; closing it")
             await self.recover_from_lost_learner()
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-        self.group_epoch = init_info["group_epoch"]
+        self.group_epoch = group_epoch
 
     async def start_weight_update(self) -> None:
         await self.engine.start_weight_update()
@@ -203,6 +205,10 @@ class VLLMGenerator:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def received_digests(self) -> list[str]:
+        """sha256 of the bytes each worker received in the last update ("" where the engine does not digest)."""
+        return list(await self.engine.collective_rpc("rlmesh_received_sha256"))
 
     async def finish_weight_update(self, version: int) -> None:
         await self.engine.finish_weight_update(weight_version=str(version))

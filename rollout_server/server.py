@@ -23,10 +23,9 @@ from rlmesh.services.grpc_server import start_server
 from rlmesh.services.queue import StreamQueue, connect, run_streams
 from rlmesh.services.retry import Backoff, retry
 from rlmesh.services.telemetry import setup_logging
+from rlmesh.services.weights.base import build_receiver
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-# weight_sync.backend -> the vLLM weight-transfer engine that receives it.
-WEIGHT_ENGINES = {"gloo": "rlmesh_gloo", "nccl": "nccl"}
 HEARTBEAT_S = 2.0
 LEARNER_UNREACHABLE = Backoff(0.5, 10.0)
 
@@ -100,8 +99,8 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     log = setup_logging("rollout", config.logging.level)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_env()
-    transport = config.weight_sync.backend
-    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, WEIGHT_ENGINES[transport])
+    receiver = build_receiver(config.weight_sync)
+    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, receiver.engine)
     await generator.start()
 
     redis = connect(config.queue.url)
@@ -112,8 +111,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     episodes = EpisodeRunner(generator, rewards, config.rollout.episode, config.rollout.max_model_len)
     worker = RolloutWorker(generator, prompts, trajectories, rewards, episodes, consumer="pending",
                            max_concurrent_groups=config.rollout.max_concurrent_groups, queue_url=config.queue.url)
-    service = RolloutService(generator, "pending", worker, on_weights=lambda version: worker.ready.set(),
-                             transport=transport)
+    service = RolloutService(generator, "pending", receiver, worker, on_weights=lambda version: worker.ready.set())
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],
                                 host=config.network.host, port=args.port, token=token, tls=tls)
     address = f"{args.advertise_host or config.network.host}:{server.port}"

@@ -1,6 +1,8 @@
 """vLLM worker-side weight-transfer engine for CPU: receives the learner's gloo broadcast and
-loads it in place with vLLM's layerwise reload. Registered as backend "rlmesh_gloo" through the
-`vllm.general_plugins` entry point, so it exists in every process vLLM spawns."""
+loads it in place with vLLM's layerwise reload, keeping a sha256 of the bytes it received. Registered
+under `rlmesh.services.weights.gloo.ENGINE` through the `vllm.general_plugins` entry point, so it
+exists in every process vLLM spawns. `WorkerDigests` is the worker extension through which the
+rollout server reads those digests back (and reports them to the learner over gRPC)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-log = logging.getLogger(__name__)
+from rlmesh.services.weights.gloo import ENGINE
 
-BACKEND_NAME = "rlmesh_gloo"  # == rlmesh.services.weights.gloo.ENGINE
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +29,8 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     group_epoch: int
+    group_prefix: str
+    group_secret: str = field(repr=False)  # hex; never logged
     timeout_seconds: float = 120.0
 
 
@@ -37,8 +40,6 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    # Publish a digest of the received bytes in the rendezvous store for the learner to check.
-    verify: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -50,26 +51,27 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._group = None
-        self._store = None
         self._rank = -1
-        self._epoch = -1
+        self.received_sha256 = ""
+        """sha256 of the bytes the last update received (read through `WorkerDigests`)."""
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        from rlmesh.services.weights.base import Rendezvous
         from rlmesh.services.weights.gloo import join_group
 
         self.shutdown()
         # One inference worker per tensor-parallel rank; the learner is rank 0.
         self._rank = init_info.rank_offset + self.parallel_config.rank
-        self._store, self._group = join_group(
-            init_info.master_address, init_info.master_port, self._rank, init_info.world_size,
-            init_info.group_epoch, init_info.timeout_seconds,
-        )
-        self._epoch = init_info.group_epoch
-        log.info("joined weight broadcast group epoch %d as rank %d/%d", self._epoch, self._rank, init_info.world_size)
+        ticket = Rendezvous(init_info.master_address, init_info.master_port, prefix=init_info.group_prefix,
+                            secret=bytes.fromhex(init_info.group_secret))
+        self._group = join_group(ticket, self._rank, init_info.world_size, init_info.timeout_seconds)
+        log.info("joined weight broadcast group epoch %d as rank %d/%d", init_info.group_epoch, self._rank,
+                 init_info.world_size)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.received_sha256 = ""
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -82,22 +84,29 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        from rlmesh.services.weights.gloo import digest_key, receive
+        from rlmesh.services.weights.gloo import receive
         from rlmesh.services.weights.wire import TensorMeta
 
         if self._group is None:
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
         metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
-        digest = hashlib.sha256() if update_info.verify else None
+        digest = hashlib.sha256()
         # One load_weights call over the whole stream (it takes any iterable): the next bucket is
         # received while this one's tensors are copied in, without a per-tensor call overhead.
         self.model.load_weights(receive(self._group, metas, digest))
-        if digest is not None:
-            self._store.set(digest_key(self._epoch, update_info.version, self._rank), digest.hexdigest())
+        self.received_sha256 = digest.hexdigest()
 
     def shutdown(self) -> None:
         self._group = None
-        self._store = None
+
+
+class WorkerDigests:
+    """vLLM worker extension (`worker_extension_cls`): lets the rollout server ask every worker,
+    through `collective_rpc`, for the digest of what it received ("" for an engine that does not
+    digest, e.g. vLLM's nccl)."""
+
+    def rlmesh_received_sha256(self) -> str:
+        return getattr(self.weight_transfer_engine, "received_sha256", "")
 
 
 class _RotaryCacheReloadFilter(logging.Filter):
@@ -117,5 +126,5 @@ def register() -> None:
     if not any(isinstance(f, _RotaryCacheReloadFilter) for f in layerwise.filters):
         layerwise.addFilter(_RotaryCacheReloadFilter())
 
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND_NAME, GlooWeightTransferEngine)
+    if ENGINE not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(ENGINE, GlooWeightTransferEngine)

@@ -402,7 +402,9 @@ class WeightSyncSection(Section):
     backend: Literal["gloo", "nccl"] = "gloo"
     """Broadcast transport: gloo (any host; every transfer digest-verified) or nccl (GPU learner and rollout servers, vLLM's NCCL engine; not yet run on a GPU)."""
     master_address: str = "127.0.0.1"
-    """Address rollout servers dial to reach the learner's rendezvous store (which listens on every interface): in containers the learner's host or Service name, never 0.0.0.0."""
+    """Address rollout servers dial to reach the learner's rendezvous store, and the only weight group they join: in containers the learner's host or Service name, never 0.0.0.0."""
+    bind_address: str | None = None
+    """Local interface the learner's rendezvous store listens on (unset: the one master_address resolves to); set it where master_address is not a local address, e.g. the pod IP behind a Service name."""
     store_port: int = Field(0, ge=0, le=65535)
     """Port of that store (0: any free port; fix it where a firewall or Service must name it)."""
     timeout_s: float = Field(120.0, gt=0)
@@ -412,8 +414,8 @@ class WeightSyncSection(Section):
     def _dialable(self) -> "WeightSyncSection":
         if self.master_address in ("0.0.0.0", "::", ""):
             raise ValueError(f"weight_sync.master_address={self.master_address!r} is not an address rollout servers "
-                             "can dial; give the learner's host name, IP or Service name (the store already "
-                             "listens on every interface)")
+                             "can dial; give the learner's host name, IP or Service name (and weight_sync.bind_address "
+                             "where that name is not a local interface)")
         return self
 
 

@@ -1,10 +1,15 @@
-"""The weight-transport interface: how the learner (always rank 0 of the transfer group) ships a
-policy version to every inference worker. One module per transport (`gloo`, `nccl`), chosen by
-`weight_sync.backend`; the learner's broadcaster drives the control plane (gRPC) around it."""
+"""The weight-transport interface, both sides: a `Sender` in the learner (always rank 0 of the
+transfer group) and a `Receiver` in each rollout server, one pair per transport module (`gloo`,
+`nccl`), chosen by `weight_sync.backend` through `build_sender` / `build_receiver`. The learner's
+broadcaster drives the control plane (gRPC) around them; the rollout server never names a
+transport. The received digest comes back over gRPC (FinishWeightUpdate), never through a store."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -12,38 +17,95 @@ if TYPE_CHECKING:
 
     from rlmesh.services.config import WeightSyncSection
     from rlmesh.services.weights.wire import TensorMeta
+    from rlmesh.v1 import rollout_pb2
 
 
-class WeightTransport(Protocol):
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the workers join transfer group `epoch`; travels only in the authenticated
+    InitWeightTransfer call."""
+
+    master_address: str
+    master_port: int
+    prefix: str = ""
+    """Store key prefix of the group (gloo): random, fresh each epoch."""
+    secret: bytes = b""
+    """Group secret (gloo): never written to the store; each rank proves it holds it."""
+    nccl_unique_id: bytes = b""
+    """The group's ncclUniqueId (nccl), minted by the learner."""
+
+
+class Sender(Protocol):
     engine: str
     """Name the rollout server's vLLM weight-transfer engine is registered under."""
     verifies: bool
-    """True if `verify` proves, by digest, that every worker received exactly what was sent."""
+    """True if `send` returns the sha256 of the bytes sent, for the workers' digests to be checked against."""
 
-    def rendezvous(self, epoch: int) -> tuple[str, int]:
-        """(address, port) the workers of group `epoch` dial; sent to them in InitWeightTransfer."""
+    def rendezvous(self, epoch: int) -> Rendezvous:
+        """Mint group `epoch` (its prefix and secret, or NCCL id); sent to the workers in InitWeightTransfer."""
 
     def form_group(self, epoch: int, world_size: int) -> None:
-        """Join the new transfer group as rank 0 (blocks until every worker has joined)."""
+        """Join the new transfer group as rank 0 (blocks until every worker has joined and proved
+        it holds the group's secret)."""
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
         """Broadcast every tensor, in `metas` order; returns the sha256 of what was sent ("" if the
         transport does not digest)."""
 
-    def verify(self, epoch: int, version: int, digest: str, ranks: list[int], timeout_s: float) -> str:
-        """"" if every worker rank received `digest`; otherwise what differs. Bounded by `timeout_s`."""
-
     def close(self) -> None:
         """Drop the current group."""
 
 
-def build_transport(cfg: WeightSyncSection) -> WeightTransport:
-    if cfg.backend == "gloo":
-        from rlmesh.services.weights.gloo import GlooTransport
+class Receiver(Protocol):
+    engine: str
+    """Name of the vLLM weight-transfer engine this transport receives with."""
 
-        return GlooTransport(cfg)
-    if cfg.backend == "nccl":
-        from rlmesh.services.weights.nccl import NCCLTransport
+    def init_info(self, request: rollout_pb2.InitWeightTransferRequest) -> dict:
+        """The engine's `init_weight_transfer_engine` payload. Raises PermissionError for a group
+        that is not the configured learner's, ValueError for a malformed request."""
 
-        return NCCLTransport(cfg)
-    raise ValueError(f"weight_sync.backend={cfg.backend!r}; choose gloo or nccl")
+    def update_info(self, request: rollout_pb2.UpdateWeightsRequest) -> dict:
+        """The engine's `update_weights` payload for the tensors the request lists."""
+
+
+def _transport(backend: str) -> tuple[type, type]:
+    if backend == "gloo":
+        from rlmesh.services.weights.gloo import GlooReceiver, GlooSender
+
+        return GlooSender, GlooReceiver
+    if backend == "nccl":
+        from rlmesh.services.weights.nccl import NCCLReceiver, NCCLSender
+
+        return NCCLSender, NCCLReceiver
+    raise ValueError(f"weight_sync.backend={backend!r}; choose gloo or nccl")
+
+
+def build_sender(cfg: WeightSyncSection) -> Sender:
+    return _transport(cfg.backend)[0](cfg)
+
+
+def build_receiver(cfg: WeightSyncSection) -> Receiver:
+    return _transport(cfg.backend)[1](cfg)
+
+
+def check_init(cfg: WeightSyncSection, request: rollout_pb2.InitWeightTransferRequest) -> None:
+    """A rollout server joins only a well-formed group of its own transport on the learner it was
+    configured with: the announced address (and port, where one is fixed) must be weight_sync's."""
+    if request.backend != cfg.backend:
+        raise ValueError(f"backend={request.backend!r}: this server's vLLM engine receives over {cfg.backend!r}; "
+                         "start learner and rollout servers with the same weight_sync.backend")
+    if request.world_size < 2 or request.rank_offset < 1:
+        raise ValueError(f"world_size={request.world_size} / rank_offset={request.rank_offset}: the learner is rank "
+                         "0, so workers need rank_offset >= 1 and world_size >= 2")
+    if request.master_address != cfg.master_address or (cfg.store_port and request.master_port != cfg.store_port):
+        raise PermissionError(
+            f"InitWeightTransfer names weight group {request.master_address}:{request.master_port}, but this "
+            f"server only joins the learner's weight_sync.master_address={cfg.master_address!r}"
+            + (f" port {cfg.store_port}" if cfg.store_port else "")
+            + "; start learner and rollout servers with the same weight_sync section")
+
+
+def rank_proof(secret: bytes, prefix: str, rank: int) -> bytes:
+    """What rank `rank` contributes to prove it holds the group secret (bound to the group's prefix,
+    so a proof seen on the wire is worthless in any other group)."""
+    return hmac.new(secret, f"{prefix}/rank{rank}".encode(), hashlib.sha256).digest()

@@ -1,11 +1,19 @@
 """gloo weight transport (CPU hosts, and any host without NCCL between trainer and workers): a
-ProcessGroupGloo over the learner's TCPStore, one key prefix per group epoch, bucketed broadcast,
-and a digest each worker publishes in the store for the learner to check."""
+ProcessGroupGloo over the learner's TCPStore, bucketed broadcast with two buckets in flight, and a
+sha256 of the bytes on both sides.
+
+The store is the weak spot (c10d stores have no authentication, and `list_keys` shows every key
+to whoever dials them), so: it listens only on the interface rollout servers dial; each group lives
+under a random prefix, fresh per epoch; and every rank proves, before any weight moves, that it
+holds the group secret that came in the authenticated InitWeightTransfer call and was never
+written to the store. A rank that cannot is refused by all the others."""
 
 from __future__ import annotations
 
 import hashlib
-import time
+import hmac
+import secrets
+import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -13,36 +21,59 @@ import torch
 import torch.distributed as dist
 
 from rlmesh.services.config import WeightSyncSection
+from rlmesh.services.weights.base import Rendezvous, check_init, rank_proof
 from rlmesh.services.weights.wire import TensorMeta, buckets, flat_buckets, unflatten
+from rlmesh.v1 import rollout_pb2
 
 ENGINE = "rlmesh_gloo"
+"""The vLLM weight-transfer engine that receives this transport (rlmesh.rollout_server.weight_engine)."""
 
 
-def _prefix(epoch: int) -> str:
-    return f"rlmesh/epoch{epoch}"
+def listen(address: str, port: int) -> socket.socket:
+    """A listening socket on `address` alone (TCPStore's own listener takes every interface)."""
+    errors = []
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as err:
+            sock.close()
+            errors.append(f"{sockaddr[0]}: {err.strerror}")
+            continue
+        sock.listen(128)
+        return sock
+    raise ValueError(f"weight_sync: the rendezvous store cannot listen on {address}:{port} ({'; '.join(errors)}); "
+                     "weight_sync.master_address must name an interface of the learner's host, or set "
+                     "weight_sync.bind_address to the local interface rollout servers reach it on (e.g. the pod IP "
+                     "where master_address is a Service name)")
 
 
-def digest_key(epoch: int, version: int, rank: int) -> str:
-    return f"{_prefix(epoch)}/digest/v{version}/rank{rank}"
-
-
-class GlooTransport:
+class GlooSender:
     engine = ENGINE
     verifies = True
 
     def __init__(self, cfg: WeightSyncSection) -> None:
         self.cfg = cfg
-        # One master store for the learner's lifetime; each group epoch uses its own key prefix.
-        self.store = dist.TCPStore(cfg.master_address, cfg.store_port, 1, is_master=True, wait_for_workers=False,
+        bind = cfg.bind_address or cfg.master_address
+        self._socket = listen(bind, cfg.store_port)
+        host = self._socket.getsockname()[0]
+        # One master store for the learner's lifetime, on our socket; each group epoch has its own prefix.
+        self.store = dist.TCPStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, self._socket.getsockname()[1],
+                                   1, is_master=True, wait_for_workers=False, master_listen_fd=self._socket.fileno(),
                                    timeout=timedelta(seconds=cfg.timeout_s))
         self.group: dist.ProcessGroup | None = None
+        self._minted: dict[int, Rendezvous] = {}
 
-    def rendezvous(self, epoch: int) -> tuple[str, int]:
-        return self.cfg.master_address, self.store.port
+    def rendezvous(self, epoch: int) -> Rendezvous:
+        self._minted = {epoch: Rendezvous(self.cfg.master_address, self.store.port,
+                                          prefix=f"rlmesh/{secrets.token_hex(16)}/epoch{epoch}",
+                                          secret=secrets.token_bytes(32))}
+        return self._minted[epoch]
 
     def form_group(self, epoch: int, world_size: int) -> None:
-        prefixed = dist.PrefixStore(_prefix(epoch), self.store)
-        self.group = dist.ProcessGroupGloo(prefixed, 0, world_size, timedelta(seconds=self.cfg.timeout_s))
+        ticket = self._minted[epoch]
+        self.group = join(self.store, ticket, 0, world_size, self.cfg.timeout_s)
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
         assert self.group is not None, "form_group before send"
@@ -59,34 +90,56 @@ class GlooTransport:
             in_flight.wait()
         return digest.hexdigest()
 
-    def verify(self, epoch: int, version: int, digest: str, ranks: list[int], timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        for rank in ranks:
-            key = digest_key(epoch, version, rank)
-            # check() never blocks; a worker that never publishes is reported, not waited on forever.
-            while not self.store.check([key]):
-                if time.monotonic() > deadline:
-                    return f"worker rank {rank} published no digest for v{version} within {timeout_s:.0f}s"
-                time.sleep(0.01)
-            got = self.store.get(key).decode()
-            self.store.delete_key(key)
-            if got != digest:
-                return f"worker rank {rank} received weights v{version} with digest {got[:12]}, sent {digest[:12]}"
-        return ""
-
     def close(self) -> None:
         self.group = None
 
 
+class GlooReceiver:
+    engine = ENGINE
+
+    def __init__(self, cfg: WeightSyncSection) -> None:
+        self.cfg = cfg
+
+    def init_info(self, request: rollout_pb2.InitWeightTransferRequest) -> dict:
+        check_init(self.cfg, request)
+        if not request.group_prefix or len(request.group_secret) < 16:
+            raise ValueError("InitWeightTransfer carries no group_prefix/group_secret: the learner runs an older "
+                             "rlmesh; run the same version on learner and rollout servers")
+        return dict(master_address=request.master_address, master_port=request.master_port,
+                    rank_offset=request.rank_offset, world_size=request.world_size, group_epoch=request.group_epoch,
+                    group_prefix=request.group_prefix, group_secret=request.group_secret.hex(),
+                    timeout_seconds=request.timeout_seconds or self.cfg.timeout_s)
+
+    def update_info(self, request: rollout_pb2.UpdateWeightsRequest) -> dict:
+        return dict(version=request.version, names=[t.name for t in request.tensors],
+                    dtype_names=[t.dtype for t in request.tensors], shapes=[list(t.shape) for t in request.tensors])
+
+
+# --- both sides ---------------------------------------------------------------------------------
+
+def join(store: dist.Store, ticket: Rendezvous, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """Join group `ticket` as `rank`, then check that every rank holds the group secret (one
+    allgather of 32-byte proofs): whoever slipped into the store's rendezvous without it is found
+    here, before any weight is sent or loaded."""
+    group = dist.ProcessGroupGloo(dist.PrefixStore(ticket.prefix, store), rank, world_size,
+                                  timedelta(seconds=timeout_s))
+    mine = torch.frombuffer(bytearray(rank_proof(ticket.secret, ticket.prefix, rank)), dtype=torch.uint8)
+    proofs = [torch.empty_like(mine) for _ in range(world_size)]
+    group.allgather([proofs], [mine]).wait()
+    strangers = [r for r, proof in enumerate(proofs)
+                 if not hmac.compare_digest(proof.numpy().tobytes(), rank_proof(ticket.secret, ticket.prefix, r))]
+    if strangers:
+        raise PermissionError(f"weight group {ticket.prefix.rsplit('/', 1)[-1]}: rank(s) {strangers} do not hold the "
+                              "group secret (a stranger joined through the rendezvous store); refusing the group")
+    return group
+
+
 # --- worker side (inside vLLM's worker process) -------------------------------------------------
 
-def join_group(master_address: str, master_port: int, rank: int, world_size: int, epoch: int,
-               timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout,
-                          wait_for_workers=False)
-    group = dist.ProcessGroupGloo(dist.PrefixStore(_prefix(epoch), store), rank, world_size, timeout)
-    return store, group
+def join_group(ticket: Rendezvous, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    store = dist.TCPStore(ticket.master_address, ticket.master_port, world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return join(store, ticket, rank, world_size, timeout_s)
 
 
 def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: hashlib._Hash | None = None

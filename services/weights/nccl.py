@@ -1,25 +1,32 @@
-"""NCCL weight transport (GPU hosts): the learner opens rank 0 of a NCCL group with vLLM's own
-trainer-side helpers, and the rollout servers receive with vLLM's built-in `nccl` weight-transfer
-engine (packed broadcast, default buffer geometry on both sides). NCCL moves bytes device to
-device, so there is no digest: `verifies` is False and the learner records each version as sent,
+"""NCCL weight transport (GPU hosts): the learner mints each group's ncclUniqueId itself and sends
+it to the rollout servers inside the authenticated InitWeightTransfer call; both sides open the
+communicator from those bytes with vLLM's `PyNcclCommunicator.from_unique_id_bytes`, and the rollout
+servers receive with vLLM's built-in `nccl` engine (packed broadcast, default buffer geometry on
+both sides). No TCPStore is involved, so nothing is unpickled from a store. NCCL moves bytes device
+to device, so there is no digest: `verifies` is False and the learner records each version as sent,
 not verified. Needs CUDA and vLLM in the learner's environment.
 
 UNVERIFIED: this path has not run on a GPU yet (the machines it was written on have none)."""
 
 from __future__ import annotations
 
+import base64
+import ctypes
 from collections.abc import Iterable
 
 import torch
 
 from rlmesh.services.config import WeightSyncSection
-from rlmesh.services.ports import free_port
+from rlmesh.services.weights.base import Rendezvous, check_init
 from rlmesh.services.weights.wire import TensorMeta
+from rlmesh.v1 import rollout_pb2
 
 ENGINE = "nccl"
+"""vLLM's own NCCL weight-transfer engine."""
+UNIQUE_ID_BYTES = 128
 
 
-class NCCLTransport:
+class NCCLSender:
     engine = ENGINE
     verifies = False
 
@@ -28,19 +35,23 @@ class NCCLTransport:
             raise ValueError("weight_sync.backend=nccl needs a CUDA device on the learner; use weight_sync.backend=gloo")
         self.cfg = cfg
         self.comm = None
-        self._ports: dict[int, int] = {}
+        self._minted: dict[int, Rendezvous] = {}
 
-    def rendezvous(self, epoch: int) -> tuple[str, int]:
-        # vLLM's StatelessProcessGroup hosts a fresh TCPStore per group on rank 0.
-        port = self._ports.setdefault(epoch, self.cfg.store_port or free_port())
-        return self.cfg.master_address, port
+    def rendezvous(self, epoch: int) -> Rendezvous:
+        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+        unique_id = NCCLLibrary().ncclGetUniqueId()
+        raw = ctypes.string_at(ctypes.addressof(unique_id.internal), UNIQUE_ID_BYTES)
+        self._minted = {epoch: Rendezvous(self.cfg.master_address, 0, nccl_unique_id=raw)}
+        return self._minted[epoch]
 
     def form_group(self, epoch: int, world_size: int) -> None:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        from vllm.distributed.weight_transfer.nccl_common import uid_init_process_group
 
         self.close()
-        address, port = self.rendezvous(epoch)
-        self.comm = trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
+        # No store barrier on this path: the workers enter concurrently (their InitWeightTransfer is in flight).
+        self.comm = uid_init_process_group(self._minted[epoch].nccl_unique_id, 0, world_size,
+                                           torch.cuda.current_device())
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
@@ -52,21 +63,27 @@ class NCCLTransport:
         torch.cuda.synchronize()
         return ""
 
-    def verify(self, epoch: int, version: int, digest: str, ranks: list[int], timeout_s: float) -> str:
-        return ""
-
     def close(self) -> None:
         if self.comm is not None:
             self.comm.destroy()
             self.comm = None
 
 
-def worker_init_info(master_address: str, master_port: int, rank_offset: int, world_size: int) -> dict:
-    """What vLLM's `nccl` engine expects in `init_weight_transfer_engine` (packed, as we send)."""
-    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "packed": True}
+class NCCLReceiver:
+    engine = ENGINE
 
+    def __init__(self, cfg: WeightSyncSection) -> None:
+        self.cfg = cfg
 
-def worker_update_info(metas: list[TensorMeta]) -> dict:
-    return {"names": [m.name for m in metas], "dtype_names": [m.dtype for m in metas],
-            "shapes": [list(m.shape) for m in metas]}
+    def init_info(self, request: rollout_pb2.InitWeightTransferRequest) -> dict:
+        """What vLLM's `nccl` engine expects in `init_weight_transfer_engine` (unique-id rendezvous, packed)."""
+        check_init(self.cfg, request)
+        if len(request.nccl_unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"nccl_unique_id has {len(request.nccl_unique_id)} bytes, NCCL's is {UNIQUE_ID_BYTES}: "
+                             "the learner runs an older rlmesh; run the same version on learner and rollout servers")
+        return {"rank_offset": request.rank_offset, "world_size": request.world_size, "packed": True,
+                "nccl_unique_id_b64": base64.b64encode(request.nccl_unique_id).decode()}
+
+    def update_info(self, request: rollout_pb2.UpdateWeightsRequest) -> dict:
+        return {"names": [t.name for t in request.tensors], "dtype_names": [t.dtype for t in request.tensors],
+                "shapes": [list(t.shape) for t in request.tensors]}

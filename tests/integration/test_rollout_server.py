@@ -60,13 +60,13 @@ async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
         assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "rollout server did not register in 300s"
         await asyncio.sleep(0.5)
-    from rlmesh.services.weights.gloo import GlooTransport
+    from rlmesh.services.weights.base import build_sender
 
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)
 
     sync = WeightSyncSection(timeout_s=120)
-    broadcaster = WeightBroadcaster(membership, sync, GlooTransport(sync), run_torch)
+    broadcaster = WeightBroadcaster(membership, sync, build_sender(sync), run_torch)
     yield {"membership": membership, "broadcaster": broadcaster, "state": state, "config": config,
            "stub": membership.generators["gen-0"].stub, "tmp": tmp}
     for p in procs:

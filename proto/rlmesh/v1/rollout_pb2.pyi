@@ -22,7 +22,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitWeightTransferRequest(_message.Message):
-    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch", "timeout_seconds")
+    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch", "timeout_seconds", "group_prefix", "group_secret", "nccl_unique_id")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,9 @@ class InitWeightTransferRequest(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SECRET_FIELD_NUMBER: _ClassVar[int]
+    NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     backend: str
     master_address: str
     master_port: int
@@ -37,7 +40,10 @@ class InitWeightTransferRequest(_message.Message):
     world_size: int
     group_epoch: int
     timeout_seconds: float
-    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    group_prefix: str
+    group_secret: bytes
+    nccl_unique_id: bytes
+    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_prefix: _Optional[str] = ..., group_secret: _Optional[bytes] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
 
 class InitWeightTransferResponse(_message.Message):
     __slots__ = ()
@@ -90,12 +96,14 @@ class FinishWeightUpdateRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ...) -> None: ...
 
 class FinishWeightUpdateResponse(_message.Message):
-    __slots__ = ("weights_sha256", "busy_seconds")
+    __slots__ = ("weights_sha256", "received_sha256", "busy_seconds")
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_SHA256_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     weights_sha256: str
+    received_sha256: _containers.RepeatedScalarFieldContainer[str]
     busy_seconds: float
-    def __init__(self, weights_sha256: _Optional[str] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, weights_sha256: _Optional[str] = ..., received_sha256: _Optional[_Iterable[str]] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode",)

@@ -87,7 +87,8 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitWeightTransfer(self, request, context):
-        """Join the learner's weight-broadcast group (blocks until every rank has joined).
+        """Join the learner's weight-broadcast group (blocks until every rank has joined). Refused with
+        PERMISSION_DENIED when the group is not on the learner's configured weight_sync.master_address.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,13 +1,12 @@
-"""The weight wire layout and the transports' learner-side behaviour that needs no peers."""
-
-import time
+"""The weight wire layout, the transport factory and both sides of each transport (gloo over a real
+two-rank group on loopback)."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
-from rlmesh.services.weights.base import build_transport  # noqa: E402
+from rlmesh.services.weights.base import build_receiver, build_sender  # noqa: E402
 from rlmesh.services.weights.wire import buckets, describe, flat_buckets, weights_digest  # noqa: E402
 
 
@@ -38,69 +37,161 @@ def test_a_stream_out_of_layout_order_is_refused():
         list(flat_buckets(iter([named[1], named[0], *named[2:]]), describe(named)))
 
 
-def test_gloo_verify_reports_a_missing_digest_instead_of_waiting_forever():
-    transport = build_transport(WeightSyncSection(backend="gloo", timeout_s=5))
-    t0 = time.monotonic()
-    problem = transport.verify(epoch=1, version=3, digest="ab" * 32, ranks=[1], timeout_s=0.5)
-    assert "rank 1 published no digest for v3" in problem
-    assert time.monotonic() - t0 < 3
+def _init_request(**overrides):
+    from rlmesh.v1 import rollout_pb2
+
+    fields = dict(backend="gloo", master_address="127.0.0.1", master_port=29555, rank_offset=1, world_size=2,
+                  group_epoch=3, timeout_seconds=30, group_prefix="rlmesh/ab12/epoch3", group_secret=b"s" * 32)
+    return rollout_pb2.InitWeightTransferRequest(**{**fields, **overrides})
 
 
-def test_gloo_verify_compares_what_workers_published():
-    from rlmesh.services.weights.gloo import digest_key
+def test_one_factory_builds_both_sides_of_a_transport():
+    from rlmesh.services.weights import gloo
+    from rlmesh.services.weights.base import _transport
 
-    transport = build_transport(WeightSyncSection(backend="gloo", timeout_s=5))
-    transport.store.set(digest_key(1, 3, 1), "ab" * 32)
-    transport.store.set(digest_key(1, 3, 2), "cd" * 32)
-    assert transport.verify(1, 3, "ab" * 32, [1], 1.0) == ""
-    assert "rank 2 received weights v3 with digest cdcdcd" in transport.verify(1, 3, "ab" * 32, [2], 1.0)
+    cfg = WeightSyncSection(backend="gloo", timeout_s=5)
+    sender, receiver = build_sender(cfg), build_receiver(cfg)
+    assert isinstance(sender, gloo.GlooSender) and isinstance(receiver, gloo.GlooReceiver)
+    assert sender.engine == receiver.engine == gloo.ENGINE and sender.verifies
+    with pytest.raises(ValueError, match="weight_sync.backend='tcp'; choose gloo or nccl"):
+        _transport("tcp")
+
+
+def _listeners(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on `port`, read from the kernel's own tables."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add("127.0.0.1" if address == "0100007F" else address if width == 32 else
+                          ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_gloo_store_listens_only_on_the_master_address_interface():
+    sender = build_sender(WeightSyncSection(backend="gloo", master_address="127.0.0.1", timeout_s=5))
+    assert _listeners(sender.store.port) == {"127.0.0.1"}  # not 0.0.0.0 / [::] as TCPStore alone would
+
+
+def test_gloo_store_on_an_address_that_is_not_local_says_which_key_to_set():
+    with pytest.raises(ValueError, match="weight_sync.bind_address"):
+        build_sender(WeightSyncSection(backend="gloo", master_address="192.0.2.1", timeout_s=5))  # TEST-NET-1
+
+
+def test_each_group_gets_a_fresh_random_prefix_and_secret():
+    sender = build_sender(WeightSyncSection(backend="gloo", timeout_s=5))
+    first, again, second = sender.rendezvous(1), sender.rendezvous(1), sender.rendezvous(2)
+    assert (first.master_address, first.master_port) == ("127.0.0.1", sender.store.port)
+    assert len({first.prefix, again.prefix, second.prefix}) == 3 and len({first.secret, again.secret}) == 2
+    assert first.prefix.endswith("/epoch1") and len(first.secret) == 32 and first.nccl_unique_id == b""
+
+
+def test_gloo_receiver_turns_init_into_the_engine_payload_and_refuses_foreign_groups():
+    receiver = build_receiver(WeightSyncSection(backend="gloo", timeout_s=5))
+    info = receiver.init_info(_init_request())
+    assert info["group_prefix"] == "rlmesh/ab12/epoch3" and bytes.fromhex(info["group_secret"]) == b"s" * 32
+    assert (info["master_port"], info["rank_offset"], info["world_size"]) == (29555, 1, 2)
+    with pytest.raises(PermissionError, match="weight_sync.master_address='127.0.0.1'"):
+        receiver.init_info(_init_request(master_address="10.1.2.3"))
+    with pytest.raises(ValueError, match="same weight_sync.backend"):
+        receiver.init_info(_init_request(backend="nccl"))
+    with pytest.raises(ValueError, match="rank_offset >= 1"):
+        receiver.init_info(_init_request(rank_offset=0))
+    with pytest.raises(ValueError, match="no group_prefix/group_secret"):
+        receiver.init_info(_init_request(group_secret=b""))
+    fixed = build_receiver(WeightSyncSection(backend="gloo", store_port=29500, timeout_s=5))
+    with pytest.raises(PermissionError, match="port 29500"):
+        fixed.init_info(_init_request())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on hosts without CUDA")
 def test_nccl_transport_without_cuda_says_how_to_fix_it():
     with pytest.raises(ValueError, match="weight_sync.backend=gloo"):
-        build_transport(WeightSyncSection(backend="nccl"))
+        build_sender(WeightSyncSection(backend="nccl"))
 
 
-def test_nccl_worker_payloads_match_vllms_engine():
-    """The dicts the rollout server hands vLLM's `nccl` engine parse into its own dataclasses."""
+def test_nccl_receiver_payloads_match_vllms_engine():
+    """The dicts the rollout server hands vLLM's `nccl` engine parse into its own dataclasses; the
+    unique id arrives as the bytes the learner sent (no store, nothing unpickled)."""
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.nccl_engine import (
         NCCLWeightTransferInitInfo,
         NCCLWeightTransferUpdateInfo,
     )
 
-    from rlmesh.services.weights.nccl import worker_init_info, worker_update_info
+    from rlmesh.v1 import rollout_pb2
 
-    init = NCCLWeightTransferInitInfo(**worker_init_info("10.0.0.1", 29555, 1, 3))
+    receiver = build_receiver(WeightSyncSection(backend="nccl"))
+    unique_id = bytes(range(128))
+    init = NCCLWeightTransferInitInfo(**receiver.init_info(_init_request(backend="nccl", world_size=3,
+                                                                         nccl_unique_id=unique_id)))
     assert (init.rank_offset, init.world_size, init.packed) == (1, 3, True)
-    update = NCCLWeightTransferUpdateInfo(**worker_update_info(describe(_named())))
+    assert init.nccl_unique_id_bytes == unique_id and init.master_address is None
+    with pytest.raises(ValueError, match="nccl_unique_id has 0 bytes"):
+        receiver.init_info(_init_request(backend="nccl"))
+    specs = [rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in describe(_named())]
+    update = NCCLWeightTransferUpdateInfo(**receiver.update_info(rollout_pb2.UpdateWeightsRequest(tensors=specs)))
     assert update.names == ["a", "b", "c", "d"] and update.shapes[0] == [3, 4] and update.dtype_names[2] == "int64"
+
+
+def _worker(sender, ticket, rank=1, world_size=2):
+    """A worker on a thread joining `ticket`; returns (thread, outcome dict)."""
+    import threading
+
+    from rlmesh.services.weights.gloo import join_group
+
+    outcome = {}
+
+    def run():
+        try:
+            outcome["group"] = join_group(ticket, rank, world_size, timeout_s=15)
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
 
 
 def test_gloo_send_and_receive_over_several_buckets_keep_bytes_order_and_digest():
     """A real two-rank gloo group on loopback (the receiver on a thread): with two buckets in flight
     on both sides, every tensor arrives intact, in order, and both digests equal the wire digest."""
     import hashlib
-    import threading
 
-    from rlmesh.services.weights.gloo import join_group, receive
+    from rlmesh.services.weights.gloo import receive
 
     named = _named() + [("e", torch.randn(7, 3)), ("f", torch.arange(5)), ("g", torch.randn(4))]
     metas = describe(named)
     assert len(buckets(metas)) == 5
-    transport = build_transport(WeightSyncSection(backend="gloo", timeout_s=30))
-    got, digest = [], hashlib.sha256()
-
-    def worker():
-        _, group = join_group("127.0.0.1", transport.store.port, 1, 2, epoch=7, timeout_s=30)
-        got.extend((name, t.clone()) for name, t in receive(group, metas, digest))
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    transport.form_group(epoch=7, world_size=2)
-    sent = transport.send(iter(named), metas)
+    sender = build_sender(WeightSyncSection(backend="gloo", timeout_s=30))
+    thread, outcome = _worker(sender, sender.rendezvous(7))
+    sender.form_group(epoch=7, world_size=2)
     thread.join(30)
+    got, digest = [], hashlib.sha256()
+    import threading
+
+    receiver = threading.Thread(target=lambda: got.extend(
+        (name, t.clone()) for name, t in receive(outcome["group"], metas, digest)))
+    receiver.start()
+    sent = sender.send(iter(named), metas)
+    receiver.join(30)
     assert [n for n, _ in got] == [n for n, _ in named]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, named))
     assert sent == digest.hexdigest() == weights_digest(named)
+
+
+def test_a_rank_without_the_group_secret_is_refused_by_every_other_rank():
+    """The worker knows the group's prefix (anyone can list the store's keys) but not its secret:
+    the learner refuses the group before a single weight is sent, and so does the worker."""
+    from dataclasses import replace
+
+    sender = build_sender(WeightSyncSection(backend="gloo", timeout_s=15))
+    ticket = sender.rendezvous(1)
+    thread, outcome = _worker(sender, replace(ticket, secret=b"guessed" * 5))
+    with pytest.raises(PermissionError, match=r"rank\(s\) \[1\] do not hold the group secret"):
+        sender.form_group(epoch=1, world_size=2)
+    thread.join(15)
+    assert isinstance(outcome["error"], PermissionError) and "rank(s) [0]" in str(outcome["error"])
+    assert sender.group is None

@@ -1,0 +1,111 @@
+"""The broadcaster and the rollout servicer over real gRPC on loopback and a real two-rank gloo
+group, with a stand-in for vLLM's engine that receives exactly as the gloo engine does (join with
+the group secret, bucketed receive, sha256 of the bytes): the digest each worker reports in
+FinishWeightUpdate is what the learner verifies, and a foreign weight group is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource  # noqa: E402
+from rlmesh.learner.membership import Membership  # noqa: E402
+from rlmesh.rollout_server.service import RolloutService  # noqa: E402
+from rlmesh.services.config import WeightSyncSection  # noqa: E402
+from rlmesh.services.grpc_server import start_server  # noqa: E402
+from rlmesh.services.weights.base import Rendezvous, build_receiver, build_sender  # noqa: E402
+from rlmesh.services.weights.gloo import join_group, receive  # noqa: E402
+from rlmesh.services.weights.wire import TensorMeta, weights_digest  # noqa: E402
+from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+
+
+class StandInEngine:
+    """The part of VLLMGenerator the weight RPCs use; the model is a dict of received tensors."""
+
+    def __init__(self, report: str | None = None) -> None:
+        self.report, self.group, self.weights, self.digest, self.version = report, None, {}, "", 0
+        self.busy = SimpleNamespace(seconds=0.0)
+
+    async def init_weight_transfer(self, info: dict, group_epoch: int) -> None:
+        ticket = Rendezvous(info["master_address"], info["master_port"], info["group_prefix"],
+                            bytes.fromhex(info["group_secret"]))
+        self.group = await asyncio.to_thread(join_group, ticket, info["rank_offset"], info["world_size"],
+                                             info["timeout_seconds"])
+
+    async def update_weights(self, info: dict) -> None:
+        metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"])]
+        digest = hashlib.sha256()
+        self.weights = await asyncio.to_thread(lambda: {n: t.clone() for n, t in receive(self.group, metas, digest)})
+        self.digest = digest.hexdigest()
+
+    async def received_digests(self) -> list[str]:
+        return [self.report if self.report is not None else self.digest]
+
+    async def finish_weight_update(self, version: int) -> None:
+        self.version = version
+
+    async def start_weight_update(self) -> None: ...
+    async def pause(self, mode: str) -> None: ...
+    async def resume(self) -> None: ...
+
+
+async def _plane(engine: StandInEngine):
+    cfg = WeightSyncSection(backend="gloo", timeout_s=20)
+    server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+                                  RolloutService(engine, "gen", build_receiver(cfg)), "rlmesh.v1.RolloutService")], port=0)
+    membership = Membership(token=None, rpc_timeout_s=20)
+    membership.register("gen", f"127.0.0.1:{server.port}", num_workers=1)
+    broadcaster = WeightBroadcaster(membership, cfg, build_sender(cfg), lambda fn, *a: asyncio.to_thread(fn, *a))
+    return server, membership, broadcaster
+
+
+def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("w", torch.randn(64, 8, generator=g)), ("b", torch.randn(8, generator=g)), ("n", torch.arange(6))]
+
+
+async def test_the_learner_verifies_the_digest_each_worker_reports_over_grpc():
+    engine = StandInEngine()
+    server, _, broadcaster = await _plane(engine)
+    try:
+        for version in (1, 2):
+            named = _named(version)
+            metrics = await broadcaster.broadcast(version, WeightSource.of(named))
+            assert metrics["weights_verified"] == 1.0 and broadcaster.verified_versions[-1] == version
+            assert broadcaster.last_digest == engine.digest == weights_digest(named)
+            assert all(torch.equal(engine.weights[n], t) for n, t in named) and engine.version == version
+        assert broadcaster.epoch == 1  # one group, two updates
+    finally:
+        await server.stop(0)
+
+
+async def test_a_worker_that_received_other_bytes_fails_the_round_loudly():
+    server, _, broadcaster = await _plane(StandInEngine(report="f" * 64))
+    try:
+        with pytest.raises(RuntimeError, match="gen worker rank 1 received weights v1 with digest ffffffffffff"):
+            await broadcaster.broadcast(1, WeightSource.of(_named(1)))
+        assert broadcaster.verified_versions == []
+    finally:
+        await server.stop(0)
+
+
+async def test_the_rollout_service_refuses_a_weight_group_on_a_foreign_master():
+    engine = StandInEngine()
+    server, membership, _ = await _plane(engine)
+    try:
+        request = rollout_pb2.InitWeightTransferRequest(
+            backend="gloo", master_address="203.0.113.9", master_port=29500, rank_offset=1, world_size=2,
+            group_epoch=1, group_prefix="rlmesh/feed/epoch1", group_secret=b"k" * 32)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await membership.generators["gen"].stub.InitWeightTransfer(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "weight_sync.master_address='127.0.0.1'" in err.value.details()
+        assert engine.group is None  # refused before dialling anything
+    finally:
+        await server.stop(0)
