@@ -27,8 +27,11 @@ from typing import Any
 
 from rlmesh.services.config import RunConfig, dump_config
 from rlmesh.services.ports import free_port
+from rlmesh.services.retry import Backoff
 
 log = logging.getLogger("rlmesh.up")
+# 1, 2, 4, ... 30 s between restarts of a crashed service (exact: the message says when).
+RESTART_BACKOFF = Backoff(1.0, 30.0, jitter=0.0)
 
 
 @dataclass
@@ -261,7 +264,7 @@ def _supervise(mesh: Mesh, learner: Service, max_restarts: int) -> Service | Non
         if svc.restart_at is None:
             if svc.restarts >= max_restarts:
                 return svc
-            delay = min(2.0 ** svc.restarts, 30.0)
+            delay = RESTART_BACKOFF.delay(svc.restarts)
             svc.restart_at = now + delay
             tqdm_write(f"rlmesh up: service '{svc.name}' exited with code {code}; restarting in {delay:.0f}s "
                        f"(restart {svc.restarts + 1} of {max_restarts}). Last lines of {svc.log_path}:\n"

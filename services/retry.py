@@ -2,8 +2,9 @@
 
 `retry(op, ...)` awaits `op()` until it returns, sleeping a growing, jittered delay after each
 failure that `retry_on` accepts, and logging what it retries and why; any other error propagates
-at once. With `deadline_s` it gives up once that long has passed since it started: it raises what
-`give_up` builds (a caller's own error naming what stayed unreachable), or the last error. A
+at once. With `deadline_s` it gives up once that long has passed since it started, with
+`max_attempts` after that many tries: it raises what `give_up` builds (a caller's own error naming
+what stayed unreachable), or the last error. A
 `Backoff` alone gives the delays to code that schedules its own waits (`rlmesh up`'s restarts)."""
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ async def retry(
     retry_on: RetryOn,
     backoff: Backoff,
     deadline_s: float | None = None,
+    max_attempts: int | None = None,
     give_up: Callable[[BaseException, float], BaseException] | None = None,
     on_failure: Callable[[BaseException], None] | None = None,
     describe: Callable[[BaseException], str] = describe_error,
@@ -71,10 +73,12 @@ async def retry(
     a predicate) after `backoff`'s delays.
 
     After each retryable failure, in this order: `on_failure(err)` runs (to mark a connection down,
-    or to raise when retrying is pointless); past `deadline_s` seconds since the start, the error
-    `give_up(err, elapsed_s)` builds is raised from `err` (without `give_up`, `err` itself); a line
-    naming `what`, the problem (`describe(err)`) and the delay is logged at `level`, at most once
-    per `log_every_s`; then the delay is slept."""
+    or to raise when retrying is pointless); past `deadline_s` seconds since the start, or after
+    `max_attempts` tries, the error `give_up(err, elapsed_s)` builds is raised from `err` (without
+    `give_up`, `err` itself); a line naming `what`, the problem (`describe(err)`) and the delay is
+    logged at `level`, at most once per `log_every_s`; then the delay is slept."""
+    if max_attempts is not None and max_attempts < 1:
+        raise ValueError(f"retry {what!r}: max_attempts={max_attempts} must be at least 1")
     retryable = _retryable(retry_on)
     start = time.monotonic()
     last_log = -float("inf")
@@ -88,12 +92,12 @@ async def retry(
             if on_failure is not None:
                 on_failure(err)
             now = time.monotonic()
-            if deadline_s is not None and now - start >= deadline_s:
+            attempt += 1
+            if (deadline_s is not None and now - start >= deadline_s) or attempt == max_attempts:
                 if give_up is None:
                     raise
                 raise give_up(err, now - start) from err
-            delay = backoff.delay(attempt)
-            attempt += 1
+            delay = backoff.delay(attempt - 1)
             if now - last_log >= log_every_s:
                 until = "" if deadline_s is None else f" (giving up {deadline_s:g}s after the first try)"
                 log.log(level, "%s: %s; retrying in %.1fs%s", what, describe(err), delay, until)

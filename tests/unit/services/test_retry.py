@@ -101,3 +101,18 @@ def test_log_lines_are_throttled_and_name_the_deadline(caplog):
                           deadline_s=30, level=logging.INFO, log_every_s=3600))
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert caplog.records[0].getMessage().endswith("(giving up 30s after the first try)")
+
+
+def test_max_attempts_counts_every_try():
+    op = Flaky(10)
+    with pytest.raises(ConnectionError, match="judge failed after 3 tries"):
+        asyncio.run(retry(op, what="x", retry_on=ConnectionError, backoff=FAST, max_attempts=3,
+                          give_up=lambda err, elapsed: ConnectionError("judge failed after 3 tries")))
+    assert len(op.calls) == 3
+    assert asyncio.run(retry(Flaky(2), what="x", retry_on=ConnectionError, backoff=FAST, max_attempts=3)) == "ok"
+    op = Flaky(10)
+    with pytest.raises(ConnectionError, match="refused"):  # one try: no retry at all
+        asyncio.run(retry(op, what="x", retry_on=ConnectionError, backoff=FAST, max_attempts=1))
+    assert len(op.calls) == 1
+    with pytest.raises(ValueError, match="max_attempts=0"):
+        asyncio.run(retry(op, what="x", retry_on=ConnectionError, backoff=FAST, max_attempts=0))
