@@ -72,7 +72,7 @@ images() {
   has_image "$VALKEY_IMAGE" || debian_image "$VALKEY_IMAGE" redis-server,redis-tools \
     --customize-hook='ln -s /usr/bin/redis-server "$1/usr/local/bin/valkey-server"' \
     --customize-hook='ln -s /usr/bin/redis-cli "$1/usr/local/bin/valkey-cli"' \
-    --customize-hook='mkdir -p "$1/data"'
+    --customize-hook='mkdir -p "$1/data"' --customize-hook='chown 999:999 "$1/data"'
   say "wheelhouse: pip download of rlmesh's locked requirements into deploy/docker/wheelhouse"
   local log="${TMPDIR:-/tmp}/rlmesh-wheelhouse.log"  # not in the build context: it would bust the cache
   # Debian's Python is 3.11.2: redis wants async-timeout below 3.11.3; pip here resolves for the host's.

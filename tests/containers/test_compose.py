@@ -5,7 +5,8 @@ rollout and reward containers crash (their main process SIGKILLed from the host,
 the engine's restart policy answers; `docker kill` counts as a manual stop and is not restarted)
 and the Valkey container is restarted. The run must complete, learn, train no group twice, need
 no re-issue of lost queue entries, and end with the rollout weights equal to the learner's; then
-`down` must leave no container, network, volume or process behind."""
+`down` must leave no container, network, volume or process behind. Every container runs as a
+non-root user, on a read-only root filesystem, with no capabilities and no privilege escalation."""
 
 from __future__ import annotations
 
@@ -87,6 +88,26 @@ def _processes_in(container_ids: set[str]) -> list[int]:
     return left
 
 
+def _hardening(stack: Stack) -> dict[str, dict]:
+    """For each running container: the uid of its main process (from the host's /proc), whether a
+    write to its root filesystem fails, and what the engine says of its capabilities and options."""
+    out = {}
+    for container in stack.containers(every=False):
+        service = stack.inspect(container, '{{index .Config.Labels "com.docker.compose.service"}}')
+        name = f"{service}/{container[:12]}"
+        pid = int(stack.inspect(container, "{{.State.Pid}}"))
+        status = Path(f"/proc/{pid}/status").read_text()
+        uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
+        no_new_privs = next(line.split()[1] for line in status.splitlines() if line.startswith("NoNewPrivs:"))
+        probe = subprocess.run([DOCKER, "exec", container, "sh", "-c", "touch /rlmesh-probe"], env=stack.env,
+                               capture_output=True, text=True, timeout=60)
+        out[name] = {"uids": sorted({int(u) for u in uids}), "root_write_refused": probe.returncode != 0,
+                     "no_new_privs": no_new_privs == "1",
+                     "cap_drop": stack.inspect(container, "{{json .HostConfig.CapDrop}}"),
+                     "read_only": stack.inspect(container, "{{.HostConfig.ReadonlyRootfs}}") == "true"}
+    return out
+
+
 def _wait(predicate, timeout: float, what: str, stack: Stack) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -114,6 +135,7 @@ def run(tmp_path_factory):
         stack.compose("up", "-d", "--no-build", "--scale", "rollout=2", timeout=900)
         learner = stack.containers("learner")[0]
         _wait(lambda: len(stack.train_rows(learner)) >= 4, 900, "four training steps", stack)
+        events["hardening"] = _hardening(stack)
         rollout, reward = stack.containers("rollout", every=False)[0], stack.containers("reward")[0]
         for name, container in (("rollout", rollout), ("reward", reward)):
             stack.crash(container)
@@ -192,3 +214,13 @@ def test_a_restarted_valkey_keeps_every_group(run):
 
 def test_down_leaves_no_container_network_volume_or_process(run):
     assert run["left"] == {"containers": [], "networks": [], "volumes": [], "processes": []}
+
+
+def test_every_container_runs_as_a_non_root_user_on_a_read_only_root(run):
+    hardening = run["hardening"]
+    services = {name.split("/")[0] for name in hardening}
+    assert {"valkey", "reward", "learner", "rollout"} <= services, hardening
+    for name, h in hardening.items():
+        assert 0 not in h["uids"], f"{name} runs as root: {h}"
+        assert h["read_only"] and h["root_write_refused"], f"{name} can write its root filesystem: {h}"
+        assert h["no_new_privs"] and "ALL" in h["cap_drop"], f"{name} keeps capabilities or may escalate: {h}"

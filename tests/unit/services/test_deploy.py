@@ -96,3 +96,121 @@ def test_k8s_manifests_render_with_kustomize():
     assert rendered == files
     images = {c["image"] for d in yaml.safe_load_all(out.stdout) if d for c in _containers(d)}
     assert images == {"rlmesh:cpu", "valkey/valkey:8"}
+
+
+# --- security: pod hardening and network policies, as rendered by kustomize --------------------
+
+APPS = ("rlmesh-learner", "rlmesh-rollout", "rlmesh-reward", "rlmesh-valkey")
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("needs the kubectl client")
+    out = subprocess.run(["kubectl", "kustomize", str(REPO / "deploy/k8s")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _pod_specs(docs: list[dict]) -> dict[str, dict]:
+    out = {}
+    for d in docs:
+        template = d.get("spec", {}).get("template")
+        if d["kind"] in ("Deployment", "Job") and template:
+            out[d["metadata"]["name"]] = template["spec"]
+    return out
+
+
+def test_every_pod_runs_restricted(rendered):
+    pods = _pod_specs(rendered)
+    assert set(pods) == {*APPS, "rlmesh-prepare"}
+    for name, pod in pods.items():
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0, name
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert pod["automountServiceAccountToken"] is False, name
+        mounts_tmp = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, (name, sc)
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"], (name, sc)
+            assert c["resources"]["limits"]["memory"], f"{name} has no memory limit"
+            assert any(m["mountPath"] == "/tmp" and m["name"] in mounts_tmp for m in c["volumeMounts"]), name
+
+
+def test_data_volume_is_writable_only_where_outputs_are_written(rendered):
+    pods = _pod_specs(rendered)
+
+    def data_mounts(name):
+        claims = {v["name"] for v in pods[name]["volumes"]
+                  if v.get("persistentVolumeClaim", {}).get("claimName") == "rlmesh-data"}
+        return [m for c in pods[name]["containers"] for m in c["volumeMounts"] if m["name"] in claims]
+
+    assert all(not m.get("readOnly") for m in data_mounts("rlmesh-learner") + data_mounts("rlmesh-prepare"))
+    assert data_mounts("rlmesh-rollout") and all(m.get("readOnly") for m in data_mounts("rlmesh-rollout"))
+    assert data_mounts("rlmesh-reward") == []
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _peer_matches(peer: dict, labels: dict, namespace: str) -> bool:
+    if "namespaceSelector" in peer:
+        ns_labels = {"kubernetes.io/metadata.name": namespace}
+        if not _selects(peer["namespaceSelector"], ns_labels):
+            return False
+    elif namespace != "rlmesh":
+        return False  # a bare podSelector means pods of the policy's own namespace
+    return _selects(peer.get("podSelector", {}), labels)
+
+
+def _port_matches(rule: dict, port: int) -> bool:
+    return "ports" not in rule or any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in rule["ports"])
+
+
+def _allowed(policies: list[dict], direction: str, pod: dict, peer: dict, peer_ns: str, port: int) -> bool:
+    """Whether `pod` (labels) lets traffic in from / out to `peer` on `port`, NetworkPolicy semantics."""
+    kind, key, peers_key = ("Ingress", "ingress", "from") if direction == "in" else ("Egress", "egress", "to")
+    selecting = [p["spec"] for p in policies if _selects(p["spec"]["podSelector"], pod)
+                 and kind in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return True
+    return any(_port_matches(rule, port) and ("from" not in rule and "to" not in rule
+                                              or any(_peer_matches(x, peer, peer_ns) for x in rule[peers_key]))
+               for spec in selecting for rule in spec.get(key, []))
+
+
+def _flow(policies, src: str, dst: str, port: int, src_ns: str = "rlmesh") -> bool:
+    src_labels, dst_labels = {"app": src}, {"app": dst}
+    egress = src_ns != "rlmesh" or _allowed(policies, "out", src_labels, dst_labels, "rlmesh", port)
+    return egress and _allowed(policies, "in", dst_labels, src_labels, src_ns, port)
+
+
+def test_network_policies_deny_by_default_and_allow_exactly_the_flows_each_port_needs(rendered):
+    policies = [d for d in rendered if d["kind"] == "NetworkPolicy"]
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+            and not p["spec"].get("ingress") and not p["spec"].get("egress")]
+    assert deny, "a default-deny policy for every pod, both directions"
+    needed = [("rlmesh-rollout", "rlmesh-learner", 50051), ("rlmesh-rollout", "rlmesh-learner", 29500),
+              ("rlmesh-rollout", "rlmesh-reward", 50052), ("rlmesh-learner", "rlmesh-rollout", 50053),
+              ("rlmesh-learner", "rlmesh-valkey", 6379), ("rlmesh-rollout", "rlmesh-valkey", 6379),
+              # the weight broadcast's gloo/NCCL data connections (ephemeral ports, full mesh)
+              ("rlmesh-rollout", "rlmesh-learner", 41234), ("rlmesh-learner", "rlmesh-rollout", 41234),
+              ("rlmesh-rollout", "rlmesh-rollout", 41234)]
+    for src, dst, port in needed:
+        assert _flow(policies, src, dst, port), f"{src} -> {dst}:{port} must be allowed"
+    refused = [("rlmesh-reward", "rlmesh-learner", 50051), ("rlmesh-reward", "rlmesh-learner", 29500),
+               ("rlmesh-reward", "rlmesh-valkey", 6379), ("rlmesh-reward", "rlmesh-rollout", 50053),
+               ("rlmesh-learner", "rlmesh-reward", 50052), ("rlmesh-valkey", "rlmesh-learner", 50051),
+               ("rlmesh-learner", "rlmesh-valkey", 6380), ("rlmesh-rollout", "rlmesh-reward", 29500),
+               ("rlmesh-prepare", "rlmesh-valkey", 6379)]
+    for src, dst, port in refused:
+        assert not _flow(policies, src, dst, port), f"{src} -> {dst}:{port} must be refused"
+    for dst, port in [("rlmesh-learner", 50051), ("rlmesh-learner", 29500), ("rlmesh-rollout", 50053),
+                      ("rlmesh-reward", 50052), ("rlmesh-valkey", 6379)]:
+        assert not _flow(policies, "stranger", dst, port), f"a pod of another app reaches {dst}:{port}"
+        assert not _flow(policies, "rlmesh-rollout", dst, port, src_ns="default"), f"another namespace reaches {dst}"
+    assert _flow(policies, "keda-operator", "rlmesh-valkey", 6379, src_ns="keda"), "KEDA reads the stream lag"
+    for app in (*APPS, "rlmesh-prepare"):
+        assert _allowed(policies, "out", {"app": app}, {"k8s-app": "kube-dns"}, "kube-system", 53), f"{app} resolves names"
