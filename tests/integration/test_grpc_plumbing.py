@@ -86,3 +86,21 @@ async def test_sigterm_drains_in_flight_calls(server):
     assert proc.wait(timeout=15) == 0
     assert time.monotonic() - t0 < 15
     assert proc.stdout.read().strip() == "drained"
+
+
+async def test_wait_for_serving_returns_once_serving_and_names_what_it_waited_for(server):
+    from rlmesh.services.grpc_client import ExitedWhileStarting, wait_for_serving
+
+    _, address = server
+    t0 = time.monotonic()
+    await wait_for_serving(address, what="test server", timeout_s=10, service="rlmesh.v1.RewardService")
+    assert time.monotonic() - t0 < 5
+    # A service name the server does not know answers NOT_FOUND: still waited on, until the deadline.
+    with pytest.raises(TimeoutError, match=rf"test server at {address} not SERVING after 1s \(last: NOT_FOUND"):
+        await wait_for_serving(address, what="test server", timeout_s=1.0, service="no.such.Service")
+    with pytest.raises(TimeoutError, match=r"nobody at 127\.0\.0\.1:1 not SERVING after 1s \(last: (UNAVAILABLE|DEADLINE_EXCEEDED)"):
+        await wait_for_serving("127.0.0.1:1", what="nobody", timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ExitedWhileStarting, match="nobody exited while starting"):
+        await wait_for_serving("127.0.0.1:1", what="nobody", timeout_s=30, alive=lambda: False)
+    assert time.monotonic() - t0 < 5, "a dead process is reported at once, not after the timeout"
