@@ -7,6 +7,7 @@ import os
 
 import uvloop
 
+from rlmesh.reward_server.environments.math import MathEnvironment
 from rlmesh.reward_server.environments.mcp_tools import McpToolEnvironment
 from rlmesh.reward_server.environments.openenv_remote import OpenEnvEnvironment
 from rlmesh.reward_server.service import BUILTIN, RewardService
@@ -26,7 +27,7 @@ async def serve(config: RunConfig, port: int) -> None:
     service = RewardService(
         # A name declared remote is served by its remote server, never by the built-in of that name.
         {k: v for k, v in section.functions.items() if k not in section.remote},
-        builtin=[name for name in BUILTIN if name not in section.remote],
+        builtin=[name for name in BUILTIN if name not in section.remote and name != "math"],
         token=token, remote_timeout_s=section.score_timeout_s,
         env_timeout_s=section.env_timeout_s,
         env_max_concurrency=section.env_max_concurrency,
@@ -36,6 +37,8 @@ async def serve(config: RunConfig, port: int) -> None:
     for name, mcp in section.mcp.items():
         service.add_local(name, McpToolEnvironment(name, mcp.url, score=mcp.score, max_turns=mcp.max_turns,
                                                    call_timeout_s=mcp.call_timeout_s))
+    if "math" not in section.remote:  # the built-in math environment, with its settings from reward.math
+        service.add_local("math", MathEnvironment(**section.math.model_dump()))
     for name, env in section.openenv.items():
         service.add_local(name, OpenEnvEnvironment(name, env.url, **env.model_dump(exclude={"url"})))
     for name, address in section.remote.items():

@@ -32,6 +32,7 @@ from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi
 from rlmesh.reward_server.environments.calculator import CalculatorEnvironment
 from rlmesh.reward_server.environments.function import FunctionEnvironment, load_callable
 from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
+from rlmesh.reward_server.environments.math import MathEnvironment
 from rlmesh.reward_server.remote import RemoteEnvironment
 from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
 from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
@@ -41,7 +42,7 @@ from rlmesh.domain.chat import as_dicts as to_messages
 log = logging.getLogger(__name__)
 
 BUILTIN = {"arithmetic": ArithmeticEnvironment, "guess_number": GuessNumberEnvironment,
-           "calculator": CalculatorEnvironment}
+           "calculator": CalculatorEnvironment, "math": MathEnvironment}
 # Share of the caller's remaining deadline given to the environment, so that per-item errors get
 # back to the caller before its own deadline ends the whole call.
 _DEADLINE_SHARE = 0.9

@@ -250,6 +250,15 @@ class OpenEnvEnvironmentSection(Section):
     """Deadline of one call to the server (connect + reset, one step)."""
 
 
+class MathEnvironmentSection(Section):
+    timeout_s: float = Field(5.0, gt=0)
+    """Longest one answer's math-verify check may take; past it its worker process is killed and replaced, and the item scores 0 with a `timeout` component."""
+    num_workers: int = Field(2, ge=1)
+    """Verification processes (started on the first item scored)."""
+    format_weight: float = Field(0.0, ge=0)
+    """Reward added when the answer is in the expected form (boxed, or after `####`); 0: reward is correctness alone."""
+
+
 class RewardSection(Section):
     functions: dict[str, str] = {}
     """Extra single-turn environments: name -> `module:function(prompt, completion, metadata)`."""
@@ -269,6 +278,8 @@ class RewardSection(Section):
     """MCP tool servers served as multi-turn tool-use environments: name -> url, scoring function, budgets."""
     openenv: dict[str, OpenEnvEnvironmentSection] = {}
     """OpenEnv environment servers served as multi-turn environments: name -> url, action/observation mapping, budgets."""
+    math: MathEnvironmentSection = MathEnvironmentSection()
+    """The built-in `math` environment (final answers checked with math-verify): its per-item timeout, worker processes and format reward."""
     env_processes: list[str] = []
     """Environments `rlmesh up` serves from a reward-server process of their own (own crash domain and CPU), proxied by the main reward server under the same name like any remote environment."""
 
