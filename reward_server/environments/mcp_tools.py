@@ -1,16 +1,24 @@
-"""An MCP tool server (Model Context Protocol, Streamable HTTP) as a multi-turn tool-use environment.
+"""An MCP tool server (Model Context Protocol) as a multi-turn tool-use environment.
 
-Configured under `reward.mcp.<name>` with the server's URL and a scoring function. Per episode:
+Configured under `reward.mcp.<name>` with a scoring function and either the `url` of a server
+speaking Streamable HTTP, or the `command` (+ `env`, `cwd`) of a stdio server, launched the way MCP
+clients launch one (the SDK's stdio client: the server's stdin/stdout carry the protocol, its stderr
+goes to the reward server's log). Per episode:
 - Reset opens an MCP client session that lives until Close; the server's `tools/list` becomes the
   tools offered to the model (OpenAI-style function schemas for the chat template's `tools=`).
+  A stdio server is one process per episode, started by Reset and ended by Close: an episode
+  starts from the server's initial state whatever earlier episodes did to it (tools with state —
+  a file system, a database — are common), and a server that crashes takes down only its own
+  episode. The cost is a process start per episode (about a second for a Python server), small next
+  to generating an episode; a server too slow to start that way can be served over HTTP instead.
 - Each Step takes the model's assistant message. Its tool calls (`<tool_call>{json}</tool_call>`)
   are executed with `tools/call` and their results come back as `tool` messages; a malformed call,
   an unknown tool or a tool error comes back as an error message the model reads, never as a failure.
 - A message without tool calls is the final answer: the scoring function gives the reward, and
   the episode ends. After `max_turns` steps without an answer it ends with reward 0.
-- A server that cannot be reached, or dies mid-episode, fails the call (the reward server answers
-  the Step with an error naming this environment and URL; the rollout server ends the episode as
-  `env_error`) — never a silent reward.
+- A server that cannot be reached or started, or dies mid-episode, fails the call (the reward
+  server answers the Step with an error naming this environment and the URL or command; the
+  rollout server ends the episode as `env_error`) — never a silent reward.
 
 The scoring function, `module:function(answer, metadata, messages)`, returns a float reward or a
 dict of components with a `reward` key; without one, `exact_answer` compares the answer with
@@ -20,14 +28,18 @@ dict of components with a `reward` key; without one, `exact_answer` compares the
 from __future__ import annotations
 
 import asyncio
+import shlex
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlmesh.domain.scoring import as_int, score_integer
 from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
 from rlmesh.reward_server.environments.function import load_callable
 from rlmesh.reward_server.environments.loop_thread import LoopThread
 from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
+
+if TYPE_CHECKING:
+    from mcp.client.stdio import StdioServerParameters
 
 
 def exact_answer(answer: str, metadata: dict[str, Any], messages: list[Message]) -> dict[str, float]:
@@ -47,8 +59,8 @@ class _Session:
     session to close it, so each session is one task on the environment's event-loop thread,
     serving the calls handed to it."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, server: str | StdioServerParameters) -> None:
+        self.server = server
         self._calls: asyncio.Queue = asyncio.Queue()
         self.tools: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -56,7 +68,7 @@ class _Session:
         from mcp import Client
 
         try:
-            async with Client(self.url) as client:
+            async with Client(self.server) as client:
                 listed = await client.list_tools()
                 self.tools.set_result([_schema(t) for t in listed.tools])
                 while (item := await self._calls.get()) is not None:
@@ -100,19 +112,34 @@ class McpEpisode:
 
 
 class McpToolEnvironment:
-    def __init__(self, name: str, url: str, *, score: str | None, max_turns: int, call_timeout_s: float) -> None:
-        self.name, self.url, self.max_turns, self.call_timeout_s = name, url, max_turns, call_timeout_s
-        self.description = f"MCP tool server at {url}"
+    def __init__(self, name: str, url: str | None = None, *, command: list[str] | None = None,
+                 env: dict[str, str] | None = None, cwd: str | None = None, score: str | None,
+                 max_turns: int, call_timeout_s: float) -> None:
+        """Exactly one of `url` (Streamable HTTP) and `command` (a stdio server, with `env`, `cwd`)."""
+        if (url is None) == (command is None):
+            raise ValueError(f"MCP environment {name!r}: set exactly one of url and command")
+        self.name, self.max_turns, self.call_timeout_s = name, max_turns, call_timeout_s
+        if command is not None:
+            from mcp.client.stdio import StdioServerParameters
+
+            self._server: str | StdioServerParameters = StdioServerParameters(
+                command=command[0], args=list(command[1:]), env=env or None, cwd=cwd)
+            # Errors name the server as "MCP server `cmd args`" wherever an HTTP one names its URL.
+            self.url = f"`{shlex.join(command)}`"
+            self.description = f"MCP tool server launched per episode: {shlex.join(command)}"
+        else:
+            self._server = self.url = url
+            self.description = f"MCP tool server at {url}"
         self._score = load_callable(score) if score else exact_answer
         self._tools: list[ToolSchema] = []
-        self._loop = LoopThread(f"mcp-{name}", f"MCP server {url}", call_timeout_s)
+        self._loop = LoopThread(f"mcp-{name}", f"MCP server {self.url}", call_timeout_s)
 
     def tools(self) -> list[ToolSchema]:
         return self._tools
 
     def reset(self, metadata: dict[str, Any], prompt: list[Message]) -> ResetOutput:
         async def open_session():
-            session = _Session(self.url)
+            session = _Session(self._server)
             task = asyncio.get_running_loop().create_task(session.serve())
             return session, task, await session.tools
 

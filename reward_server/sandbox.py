@@ -1,0 +1,211 @@
+"""A sandbox for running untrusted Python (a model's program) against tests, one process tree per run.
+
+Built on what util-linux and the kernel ship, no extra install: `unshare` puts each run in fresh
+mount, network, pid, IPC and UTS namespaces, and `sandbox_init` (process 1 there) builds a minimal
+read-only root and runs `sandbox_harness` as an unprivileged user under rlimits. Needs root (or
+CAP_SYS_ADMIN) to create the namespaces and switch users; `Sandbox()` fails at once, saying what is
+missing, where that is not available (e.g. a container started without `--cap-add SYS_ADMIN`).
+
+What a run is protected against:
+- the network: an empty network namespace (not even loopback is up; every connect fails);
+- the host's files: the run sees only read-only binds of the system library directories and the
+  Python installation, four device nodes and its own `/sandbox` tmpfs (size-limited, gone with the
+  run); no `/etc/passwd`, `/proc`, `/tmp`, home or run directories;
+- other processes: its own pid namespace (it sees and can signal only itself); when the run ends,
+  every process it started is killed with it;
+- resources: CPU seconds per process (RLIMIT_CPU), address space (RLIMIT_AS), processes of its user
+  (RLIMIT_NPROC; each concurrent run gets a uid of its own, so one run's fork bomb does not eat
+  another's budget), file size (RLIMIT_FSIZE), open files, and a wall-clock limit on the whole run;
+  output read back is truncated.
+
+What it does not protect against: kernel vulnerabilities (it is namespaces and rlimits, not a VM
+or gVisor); CPU contention — a run may use every core until its wall time ends (there is no
+cgroup CPU quota); memory is bounded per process (RLIMIT_AS) times the process limit, not per run;
+the system libraries and the Python installation are readable; and a program written to attack
+the harness that runs in its own interpreter (assert-style tests) could dig the result nonce out
+of the harness's frames and report passes it did not earn — stdin/stdout tests run the program in
+a separate process and are not open to that.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+# Sandbox users are uids no account on the host is likely to have; one per concurrent run.
+_UID_BASE = 2_000_000_000
+_SYSTEM_BINDS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    cpu_s: int = 5
+    wall_s: float = 10.0
+    memory_mb: int = 1024
+    max_processes: int = 16
+    file_size_mb: int = 16
+    work_mb: int = 64
+    test_timeout_s: float = 5.0
+    max_output_bytes: int = 65536
+
+    def describe(self) -> str:
+        return (f"cpu {self.cpu_s}s/process, wall {self.wall_s}s/run, address space {self.memory_mb} MiB/process, "
+                f"{self.max_processes} processes, files {self.file_size_mb} MiB, work dir {self.work_mb} MiB tmpfs, "
+                f"{self.test_timeout_s}s/test, output read back {self.max_output_bytes} bytes; no network, "
+                "own pid/mount/IPC/UTS namespaces, read-only root without host files, unprivileged uid")
+
+
+@dataclass
+class TestResult:
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class RunResult:
+    tests: list[TestResult]
+    """One per test, in order; a test without a result (the harness died or ran out of time) failed."""
+    timed_out: bool
+    """The run hit its wall-clock limit and was killed."""
+    exit_code: int | None
+    stderr: str
+    """The sandbox's own stderr (harness start-up failures), truncated."""
+
+    @property
+    def pass_rate(self) -> float:
+        return sum(t.passed for t in self.tests) / len(self.tests) if self.tests else 0.0
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot run the sandbox; the message says what is missing and how to get it."""
+
+
+class Sandbox:
+    def __init__(self, limits: SandboxLimits, *, python: str | None = None, max_concurrency: int = 8) -> None:
+        """`python`: the interpreter that runs programs (default: this one's base installation); its
+        installation prefix is bound read-only into every run."""
+        self.limits = limits
+        self.python = os.path.realpath(python or sys.executable)
+        if not os.access(self.python, os.X_OK):
+            raise ValueError(f"sandbox python {self.python!r} is not an executable file")
+        self.prefix = sys.base_prefix if python is None else str(Path(self.python).parents[1])
+        self._unshare = shutil.which("unshare")
+        if self._unshare is None:
+            raise SandboxUnavailable("the code sandbox needs `unshare` (Debian/Ubuntu package util-linux) on PATH")
+        if os.geteuid() != 0:
+            raise SandboxUnavailable(
+                "the code sandbox needs root (to create mount/network/pid namespaces and to run programs as an "
+                f"unprivileged uid); this reward server runs as uid {os.geteuid()}. Run it as root, or in a "
+                "container started with --cap-add SYS_ADMIN")
+        binds = [p for p in _SYSTEM_BINDS if os.path.lexists(p)]
+        if not any(self.prefix == b or self.prefix.startswith(b + "/") for b in binds):
+            binds.append(self.prefix)
+        self._binds = binds
+        self._uids: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(max_concurrency):
+            self._uids.put(_UID_BASE + i)
+        self._harness = (_HERE / "sandbox_harness.py").read_text()
+
+    def run(self, program: str, tests: list[str | dict[str, str]]) -> RunResult:
+        """Run `program` against `tests` (see `sandbox_harness` for the two kinds) in a fresh sandbox."""
+        uid = self._uids.get()
+        try:
+            return self._run(program, tests, uid)
+        finally:
+            self._uids.put(uid)
+
+    def _run(self, program: str, tests: list, uid: int) -> RunResult:
+        limits, nonce = self.limits, secrets.token_hex(16)
+        job = {"program": program, "harness": self._harness, "python": self.python, "binds": self._binds,
+               "limits": {"uid": uid, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+                          "max_processes": limits.max_processes, "file_size_mb": limits.file_size_mb,
+                          "work_mb": limits.work_mb},
+               "spec": {"nonce": nonce, "tests": tests, "test_timeout_s": limits.test_timeout_s,
+                        "max_output_bytes": limits.max_output_bytes}}
+        root = tempfile.mkdtemp(prefix="rlmesh-sandbox-")
+        try:
+            proc = subprocess.Popen(
+                [self._unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+                 sys.executable, "-I", "-S", str(_HERE / "sandbox_init.py"), root],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            try:
+                proc.stdin.write(json.dumps(job).encode())
+                proc.stdin.close()
+            except BrokenPipeError:  # it failed to start; its stderr says why
+                pass
+            stdout, stderr, timed_out = _read_bounded(proc, time.monotonic() + limits.wall_s,
+                                                      limits.max_output_bytes)
+            if timed_out:
+                os.killpg(proc.pid, signal.SIGKILL)
+            exit_code = proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+        finally:
+            os.rmdir(root)  # the tmpfs was mounted in the run's own mount namespace: here it is empty
+        results: dict[int, TestResult] = {}
+        prefix = nonce + " "
+        for line in stdout.decode("utf-8", "replace").splitlines():
+            if line.startswith(prefix):
+                i, passed, detail = json.loads(line[len(prefix):])
+                results.setdefault(i, TestResult(bool(passed), detail))
+        missing = "no result: the run timed out" if timed_out else "no result: the program ended the test harness"
+        return RunResult([results.get(i, TestResult(False, missing)) for i in range(len(tests))], timed_out,
+                         None if timed_out else exit_code, stderr.decode("utf-8", "replace"))
+
+    def check(self) -> float:
+        """Run a probe program that checks the isolation; returns its seconds. Raises `SandboxUnavailable`
+        naming what does not hold (so a reward server never serves an unsandboxed code environment)."""
+        probes = {
+            "runs as an unprivileged user": "import os; assert os.getuid() != 0",
+            "has no network": "import socket\ntry:\n    socket.create_connection(('10.255.255.1', 80), 1)\n"
+                              "    raise AssertionError('connected')\nexcept OSError as e:\n"
+                              "    assert 'connected' not in str(e)",
+            "cannot see the host's /etc/passwd": "import os; assert not os.path.exists('/etc/passwd')",
+            f"cannot see this process's directory {_HERE}": f"import os; assert not os.path.exists({str(_HERE)!r})",
+            "can write its work directory": "open('probe.txt', 'w').write('x')",
+        }
+        t0 = time.monotonic()
+        result = self.run("", list(probes.values()))
+        failed = [f"{what} ({r.detail})" for what, r in zip(probes, result.tests) if not r.passed]
+        if failed:
+            raise SandboxUnavailable(f"the code sandbox does not work on this host: a probe run failed: "
+                                     f"{'; '.join(failed)}; sandbox stderr: {result.stderr.strip()[-500:]!r}")
+        return time.monotonic() - t0
+
+
+def _read_bounded(proc: subprocess.Popen, deadline: float, max_bytes: int) -> tuple[bytes, bytes, bool]:
+    """Read the process's stdout and stderr until both close or `deadline`; keep at most `max_bytes`
+    of each (the rest is read and dropped, so a chatty program cannot block on a full pipe nor fill
+    this process's memory). Returns (stdout, stderr, timed_out)."""
+    kept = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    with selectors.DefaultSelector() as sel:
+        for stream in kept:
+            os.set_blocking(stream.fileno(), False)
+            sel.register(stream, selectors.EVENT_READ)
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), True
+            for key, _ in sel.select(remaining):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = kept[key.fileobj]
+                buf += chunk[:max(0, max_bytes - len(buf))]
+    return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), False
