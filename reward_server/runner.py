@@ -12,6 +12,10 @@ thread, so the runner contains the damage instead:
   environment wait for a slot until their deadline and then fail saying how many calls are stuck,
   while other environments are served as before;
 - worker threads are daemons, so a call that never returns cannot keep the process from exiting.
+
+User reward functions (`reward.functions`) go further: their calls run in worker processes that are
+killed at the deadline and replaced (`rlmesh.reward_server.function_workers`), so their thread here
+is always given back.
 """
 
 from __future__ import annotations

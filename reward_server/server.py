@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import os
 
 import uvloop
 
 from rlmesh.reward_server.environments.math import MathEnvironment
-from rlmesh.reward_server.environments.code import CodeEnvironment
-from rlmesh.reward_server.environments.judge import JudgeEnvironment
 from rlmesh.reward_server.environments.mcp_tools import McpToolEnvironment
 from rlmesh.reward_server.environments.openenv_remote import OpenEnvEnvironment
-from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
+from rlmesh.reward_server.environments.function import FunctionEnvironment
+from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.service import BUILTIN, RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.services.auth import TLSFiles, load_token
 from rlmesh.services.config import RunConfig
-from rlmesh.services.grpc_server import start_server
+from rlmesh.services.grpc_server import Server, start_server
 from rlmesh.services.telemetry import setup_logging
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
@@ -36,18 +37,11 @@ async def serve(config: RunConfig, port: int) -> None:
         env_max_concurrency=section.env_max_concurrency,
         session_idle_timeout_s=section.session_idle_timeout_s,
         replica_id=section.replica_id or os.environ.get("RLMESH_REPLICA_ID") or None,
+        function_limits=WorkerLimits.from_config(section),
     )
-    # Names in `remote` (e.g. run by `rlmesh up` in an env process of their own) are proxied, not built here.
-    for name, mcp in _local(section.mcp, section.remote):
-        service.add_local(name, McpToolEnvironment(name, mcp.url, command=mcp.command, env=mcp.env, cwd=mcp.cwd,
-                                                   score=mcp.score, max_turns=mcp.max_turns,
+    for name, mcp in section.mcp.items():
+        service.add_local(name, McpToolEnvironment(name, mcp.url, score=mcp.score, max_turns=mcp.max_turns,
                                                    call_timeout_s=mcp.call_timeout_s))
-    for name, code in _local(section.code, section.remote):
-        limits = SandboxLimits(**code.model_dump(exclude={"tests_key", "python"}))
-        sandbox = Sandbox(limits, python=code.python, max_concurrency=section.env_max_concurrency)
-        service.add_local(name, CodeEnvironment(name, sandbox, tests_key=code.tests_key))
-    for name, judge in _local(section.judge, section.remote):
-        service.add_local(name, JudgeEnvironment(name, **judge.model_dump()))
     if "math" not in section.remote:  # the built-in math environment, with its settings from reward.math
         service.add_local("math", MathEnvironment(**section.math.model_dump()))
     for name, env in section.openenv.items():
@@ -58,13 +52,32 @@ async def serve(config: RunConfig, port: int) -> None:
         [(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
         host=config.network.host, port=port, token=token, tls=TLSFiles.from_env(),
     )
+    function_health = asyncio.create_task(report_function_health(service, server), name="function-health")
     log.info("reward server on port %d (replica %s); environments: %s", server.port, service.sessions.replica,
              ", ".join(e.name for e in service.environments()))
     await server.serve_forever(grace_s=5.0)
+    function_health.cancel()
 
 
-def _local(envs: dict, remote: dict) -> list:
-    return [(name, env) for name, env in envs.items() if name not in remote]
+async def report_function_health(service: RewardService, server: Server, period_s: float = 1.0) -> None:
+    """Each user reward function's health under `rlmesh.v1.RewardService/<name>`: NOT_SERVING while
+    all its worker processes are stuck or none can start (the server's own health is unchanged:
+    other environments are still served)."""
+    log = logging.getLogger(__name__)
+    last: dict[str, str] = {}
+    while True:
+        for name, env in list(service.local.items()):
+            if not isinstance(env, FunctionEnvironment):
+                continue
+            problem = env.workers.healthy()
+            if problem != last.get(name):
+                last[name] = problem
+                await server.set_serving(not problem, names=[f"{SERVICE_NAME}/{name}"])
+                if problem:
+                    log.warning("reward function %s is not serving: %s", name, problem)
+                else:
+                    log.info("reward function %s is serving", name)
+        await asyncio.sleep(period_s)
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:

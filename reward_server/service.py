@@ -31,6 +31,7 @@ from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
 from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi_turn, nonfinite_error
 from rlmesh.reward_server.environments.calculator import CalculatorEnvironment
 from rlmesh.reward_server.environments.function import FunctionEnvironment, load_callable
+from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
 from rlmesh.reward_server.environments.math import MathEnvironment
 from rlmesh.reward_server.remote import RemoteEnvironment
@@ -56,16 +57,17 @@ def to_proto_messages(env_name: str, messages: list[Message]) -> list[common_pb2
                                        "are dicts of role, content, name, tool_call_id strings") from None
 
 
-def load_environment(name: str, path: str) -> Any:
-    """`module:function` is a single-turn reward function; `module:Class` (with reset and step) is
-    a multi-turn environment, constructed without arguments."""
+def load_environment(name: str, path: str, function_limits: WorkerLimits) -> Any:
+    """`module:function` is a single-turn reward function, run in worker processes under
+    `function_limits`; `module:Class` (with reset and step) is a multi-turn environment,
+    constructed without arguments."""
     obj = load_callable(path)
     if isinstance(obj, type) and is_multi_turn(obj):
         env = obj()
         env.name = name
         env.description = getattr(env, "description", "") or f"multi-turn environment {path}"
         return env
-    return FunctionEnvironment(name, path)
+    return FunctionEnvironment(name, path, function_limits)
 
 
 def _budget(context: grpc.aio.ServicerContext) -> float | None:
@@ -77,10 +79,11 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, functions: dict[str, str] | None = None, *, token: str | None = None,
                  remote_timeout_s: float = 30.0, env_timeout_s: float = 30.0, env_max_concurrency: int = 8,
                  session_idle_timeout_s: float = 600.0, replica_id: str | None = None,
-                 builtin: Iterable[str] | None = None) -> None:
+                 builtin: Iterable[str] | None = None, function_limits: WorkerLimits | None = None) -> None:
         """`env_timeout_s` bounds every local environment call (a Score batch, a reset, a step);
         `env_max_concurrency` is how many calls each local environment runs at once; `builtin`
-        picks the built-in environments to serve (all by default; none for a pure proxy)."""
+        picks the built-in environments to serve (all by default; none for a pure proxy);
+        `function_limits` says how user reward functions' worker processes run."""
         names = list(BUILTIN) if builtin is None else list(builtin)
         unknown = sorted(set(names) - set(BUILTIN))
         if unknown:
@@ -91,8 +94,9 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         self._runners: dict[str, EnvRunner] = {}
         for name in names:
             self.add_local(name, BUILTIN[name]())
+        function_limits = function_limits or WorkerLimits(timeout_s=env_timeout_s)
         for name, path in (functions or {}).items():
-            self.add_local(name, load_environment(name, path))
+            self.add_local(name, load_environment(name, path, function_limits))
         self.sessions = SessionTable(replica_id or uuid.uuid4().hex[:8], session_idle_timeout_s)
         self._token, self._remote_timeout_s = token, remote_timeout_s
         self._background: set[asyncio.Task] = set()

@@ -3,7 +3,8 @@ The function takes (prompt_messages, completion, metadata) and returns a float o
 "reward" and optional components.
 
 Items are scored one per call (`max_batch_size = 1`), so a function that hangs or is slow on one
-item times out only that item."""
+item times out only that item. The function runs in worker processes with memory and CPU limits and
+a clean environment (`rlmesh.reward_server.function_workers`); the server never calls it itself."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
+from rlmesh.reward_server.function_workers import FunctionWorkerPool, WorkerLimits
 
 
 def load_callable(path: str) -> Callable[..., Any]:
@@ -31,25 +33,21 @@ def load_callable(path: str) -> Callable[..., Any]:
 class FunctionEnvironment:
     max_batch_size = 1
 
-    def __init__(self, name: str, path: str) -> None:
+    def __init__(self, name: str, path: str, limits: WorkerLimits | None = None) -> None:
         self.name = name
         self.description = f"user reward function {path}"
-        self._fn = load_callable(path)
+        self.workers = FunctionWorkerPool(name, path, limits or WorkerLimits())
 
     def score(self, items: list[ScoreInput]) -> list[ScoreOutput]:
         out = []
         for item in items:
-            try:
-                value = self._fn(item.prompt, item.completion, item.metadata)
-            except Exception as err:  # a user function's bug must not take down the batch
-                out.append(ScoreOutput(error=f"{self.name}: reward function raised {type(err).__name__}: {err}"))
-                continue
-            if isinstance(value, dict):
-                components = {k: float(v) for k, v in value.items() if k != "reward"}
-                out.append(ScoreOutput(reward=float(value.get("reward", 0.0)), components=components))
-            elif isinstance(value, (int, float)):
-                out.append(ScoreOutput(reward=float(value)))
+            answer = self.workers.call({"prompt": item.prompt, "completion": item.completion,
+                                        "metadata": item.metadata})
+            if "error" in answer:
+                out.append(ScoreOutput(error=f"{self.name}: {answer['error']}"))
             else:
-                out.append(ScoreOutput(error=f"{self.name}: reward function returned {type(value).__name__}, "
-                                             "expected a float or a dict with 'reward'"))
+                out.append(ScoreOutput(reward=answer["reward"], components=answer.get("components", {})))
         return out
+
+    def close(self) -> None:
+        self.workers.close()
