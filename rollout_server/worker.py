@@ -5,12 +5,15 @@ dead server left pending are claimed after `queue.claim_idle_ms`. A live server 
 time of the entries it is still generating, so a long generation is never mistaken for a dead
 server's work and done twice. The refresh runs on its own thread with its own connection: an
 event loop busy with a large batch of outputs must not let its claims lapse. Prompts that cannot be parsed go
-to a dead-letter stream with the reason (never silently dropped)."""
+to a dead-letter stream with the reason (never silently dropped). A sample whose reward is not
+finite or beyond `reward.max_abs_reward`, or whose token data do not line up, fails with the
+reason (`error`), so it is never trained on; the learner checks every group again."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 
@@ -25,14 +28,28 @@ from rlmesh.services.queue import Entry, StreamQueue
 log = logging.getLogger(__name__)
 
 
+def sample_problem(sample: common_pb2.Sample, max_abs_reward: float) -> str:
+    """Why a scored sample must not be trained on, or ""."""
+    n = len(sample.completion.token_ids)
+    if len(sample.completion.loss_mask) != n or len(sample.logprobs) != n:
+        return (f"{n} completion tokens, {len(sample.completion.loss_mask)} loss-mask entries and "
+                f"{len(sample.logprobs)} logprobs")
+    values = {"reward": sample.reward, **{f"reward component {k!r}": v for k, v in sample.reward_components.items()}}
+    for name, value in values.items():
+        if not (math.isfinite(value) and abs(value) <= max_abs_reward):
+            return f"{name} {value} is not finite or beyond +/-{max_abs_reward:g} (reward.max_abs_reward)"
+    return ""
+
+
 class RolloutWorker:
     def __init__(self, generator: VLLMGenerator, prompts: StreamQueue, trajectories: StreamQueue,
                  rewards: RewardPool, episodes: EpisodeRunner, *, consumer: str, max_concurrent_groups: int,
-                 queue_url: str | None = None) -> None:
+                 max_abs_reward: float, queue_url: str | None = None) -> None:
         self.generator, self.prompts, self.trajectories = generator, prompts, trajectories
         self.rewards, self.episodes = rewards, episodes
         self.consumer = consumer
         self.max_concurrent_groups = max_concurrent_groups
+        self.max_abs_reward = max_abs_reward
         self.ready = asyncio.Event()  # set once this server holds the learner's current weights
         self.num_inflight = 0
         self.num_completed = 0
@@ -112,6 +129,10 @@ class RolloutWorker:
         except ValueError as err:
             await self._dead_letter(entry, str(err))
             return
+        for sample in samples:
+            if not sample.error and (problem := sample_problem(sample, self.max_abs_reward)):
+                log.warning("group %s sample %d failed: %s", group.group_id, sample.index, problem)
+                sample.error = f"invalid_sample: {problem}"
         trajectory = common_pb2.TrajectoryGroup(
             group_id=group.group_id, run_id=group.run_id, prompt=group, prompt_token_ids=prompt_ids,
             samples=samples, generator_id=self.consumer, generation_seconds=time.monotonic() - t0,
@@ -130,7 +151,13 @@ class RolloutWorker:
             for s in samples
         ])
         reply = await self.rewards.score(request, f"group {group.group_id}")
-        for sample, result in zip(samples, reply.results):
+        # Matched by id: a reply that leaves a sample out must not leave it at reward 0.
+        results = {r.id: r for r in reply.results}
+        for sample in samples:
+            result = results.get(str(sample.index))
+            if result is None:
+                sample.error = f"invalid_sample: the reward server returned no result for item {sample.index}"
+                continue
             sample.reward = result.reward
             sample.reward_components.update(result.components)
             if result.error:
