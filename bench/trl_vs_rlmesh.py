@@ -47,7 +47,7 @@ def _rewards(completions: list[str], answers: list[str]) -> list[float]:
 
 
 def lr_factor(step: int, config: RunConfig) -> float:
-    """rlmesh's learning-rate schedule (rlmesh.learner.controller.learning_rate) as a multiplier at `step`."""
+    """rlmesh's learning-rate schedule (rlmesh.learner.train.schedule.learning_rate) as a multiplier at `step`."""
     cfg = config.learner
     if cfg.lr_schedule == "constant":
         return 1.0

@@ -1,0 +1,124 @@
+"""Builds the RL learner from the run config: the queues, the trainer (on the one torch thread),
+the weight broadcaster, issuer, admission, trajectory reader, evaluator and metrics writers, handed
+to the `Controller`, which only drives them; then the control-plane server, and resume from the
+newest checkpoint. The one place where the learner service's parts meet."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlmesh.learner.admission import Admission
+from rlmesh.learner.controller import Components, Controller, require_model_path
+from rlmesh.learner.data import load_dataset
+from rlmesh.learner.evaluator import Evaluator
+from rlmesh.learner.issuer import PromptIssuer
+from rlmesh.learner.membership import LearnerService, Membership
+from rlmesh.learner.reader import TrajectoryReader, mark_queues
+from rlmesh.learner.validation import Bounds
+from rlmesh.v1 import learner_pb2, learner_pb2_grpc
+from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, load_token
+from rlmesh.services.grpc_server import ServerLimits, start_server
+from rlmesh.services.queue import connect_queue, run_streams
+
+if TYPE_CHECKING:
+    from rlmesh.learner.broadcast import TorchRunner
+    from rlmesh.services.config import RunConfig
+    from rlmesh.services.grpc_server import Server
+
+log = logging.getLogger("rlmesh.learner")
+SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
+# Under mutual TLS only rollout servers may join, heartbeat and leave; anyone authenticated may ask the status.
+POLICY = Policy({"GetStatus": ANY}, default=frozenset({"rollout"}))
+
+
+def torch_thread() -> TorchRunner:
+    """Runs a blocking call on one dedicated thread, off the event loop: all torch work, collectives
+    included, happens there, in the order it was asked for."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+
+    async def run(fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(executor, partial(fn, *args))
+
+    return run
+
+
+async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple[Controller, Server]:
+    """The controller, resumed from the run's newest checkpoint if there is one, and its running
+    control-plane server (port 0: any free port)."""
+    from transformers import AutoTokenizer
+
+    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.services.weights.base import build_sender
+
+    cfg = config
+    model_path = require_model_path(cfg)
+    run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
+    run_torch = torch_thread()
+    token = load_token(cfg.network.token_file, cfg.network.token_env)
+    tls = TLSFiles.from_config(cfg.network, "learner")
+    check_can_serve(cfg.network.host, token=token, tls=tls, insecure=cfg.network.insecure)
+    prompts, trajectories = run_streams(connect_queue(cfg.queue, "learner"), cfg.queue)
+    await mark_queues(prompts, trajectories, run_id)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    trainer = await run_torch(lambda: Trainer(cfg, model_path, pad_id=tokenizer.pad_token_id))
+    weights = WeightSource(trainer.weight_metas, trainer.stream_weights)
+    membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s, tls=tls)
+    broadcaster = WeightBroadcaster(membership, cfg.weight_sync, build_sender(cfg.weight_sync), run_torch)
+
+    train_set, eval_set = load_dataset(cfg.data, cfg.run.seed)
+    issuer = PromptIssuer(prompts, run_id, train_set, group_size=cfg.algorithm.group_size,
+                          groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.algorithm.max_staleness)
+    issuer.earlier_run_ids = note_run_id(run_dir, run_id)
+    metrics = MetricsWriter(run_dir)
+    # Which trajectory groups each version was trained on: the audit trail for exactly-once.
+    trained_log = MetricsWriter(run_dir, "trained_groups.jsonl")
+    dropped_log = MetricsWriter(run_dir, "dropped_groups.jsonl")
+    admission = Admission(trajectories, dropped_log, max_staleness=cfg.algorithm.max_staleness,
+                          drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
+                          on_returned=issuer.returned, issued=issuer.issued, bounds=bounds(cfg, model_path))
+    reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
+                              membership=membership, broadcaster=broadcaster, weights=weights, metrics=metrics)
+    evaluator = Evaluator(eval_set, issuer, trajectories, reader, metrics, check=admission.check,
+                          pass_k=cfg.learner.eval_pass_k, num_samples=cfg.learner.eval_num_samples)
+    controller = Controller(cfg, run_dir, Components(
+        run_id=run_id, run_torch=run_torch, prompts=prompts, trajectories=trajectories, trainer=trainer,
+        weights=weights, membership=membership, broadcaster=broadcaster, issuer=issuer, admission=admission,
+        reader=reader, evaluator=evaluator, metrics=metrics, trained_log=trained_log, dropped_log=dropped_log))
+
+    service = LearnerService(membership, run_id, controller.status, lambda: controller.version)
+    server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, SERVICE_NAME)],
+                                host=cfg.network.host, port=port, token=token, tls=tls,
+                                insecure=cfg.network.insecure, policy=POLICY,
+                                limits=ServerLimits.from_config(cfg.network, "learner"))
+    log.info("learner control plane on port %d (run %s, %d training rank(s))", server.port, run_id, trainer.world_size)
+    await controller.resume()
+    return controller, server
+
+
+def bounds(config: RunConfig, model_path: str) -> Bounds:
+    """What a well-formed trajectory group stays within, for this model and rollout config."""
+    from transformers import AutoConfig
+
+    rollout = config.rollout
+    return Bounds(vocab_size=AutoConfig.from_pretrained(model_path).vocab_size,
+                  max_abs_reward=config.reward.max_abs_reward,
+                  max_seq_len=max(rollout.max_model_len, rollout.episode.max_total_tokens or 0))
+
+
+def note_run_id(run_dir: Path, run_id: str) -> set[str]:
+    """Record this process's run id in the run directory, and return those of earlier processes of
+    this run: groups issued under them (before a restart) are still this run's work."""
+    path = run_dir / "learner_run_ids.txt"
+    earlier = set(path.read_text().split()) if path.exists() else set()
+    with path.open("a") as f:
+        f.write(run_id + "\n")
+    return earlier

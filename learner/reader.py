@@ -1,0 +1,100 @@
+"""The trajectory stream as the learner reads it, for training and evaluation alike: each read
+first brings out-of-date generators to the learner's weights (they serve nothing until then),
+checks that the queue server still holds this run's data (re-issuing every outstanding prompt
+group if it lost it), decodes what arrived and says so in the log when nothing has for a while."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from google.protobuf.message import DecodeError
+
+from rlmesh.learner.evaluator import Arrivals
+from rlmesh.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from rlmesh.learner.admission import Admission
+    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+    from rlmesh.learner.issuer import PromptIssuer
+    from rlmesh.learner.membership import Membership
+    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.services.queue import StreamQueue
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "learner"  # the learner's consumer name in the trajectory stream's consumer group
+
+
+async def mark_queues(prompts: StreamQueue, trajectories: StreamQueue, run_id: str) -> None:
+    """Create the streams' consumer groups where missing and mark the queue server with this run:
+    a marker that vanishes says the server lost its data (`TrajectoryReader._check_queue`)."""
+    await prompts.ensure_group()
+    await trajectories.ensure_group()
+    await prompts.set_marker("run", run_id)
+
+
+class TrajectoryReader:
+    def __init__(self, prompts: StreamQueue, trajectories: StreamQueue, *, run_id: str, issuer: PromptIssuer,
+                 admission: Admission, membership: Membership, broadcaster: WeightBroadcaster,
+                 weights: WeightSource, metrics: MetricsWriter) -> None:
+        self.prompts, self.trajectories, self.run_id = prompts, trajectories, run_id
+        self.issuer, self.admission, self.metrics = issuer, admission, metrics
+        self.membership, self.broadcaster, self.weights = membership, broadcaster, weights
+        self._group_recreations = 0
+        self._last_queue_check = self._last_arrival = self._last_wait_log = time.monotonic()
+
+    async def catch_up(self, version: int) -> None:
+        """Bring generators that hold other weights (late joiners, survivors of a learner restart)
+        to `version` now, rather than after the next step: they serve nothing until then."""
+        if self.membership.out_of_date(version):
+            await self.broadcaster.broadcast(version, self.weights)
+
+    async def read(self, version: int) -> Arrivals:
+        """What arrived within half a second (possibly nothing), with the learner at `version`."""
+        await self.catch_up(version)
+        if time.monotonic() - self._last_queue_check > 1.0:
+            self._last_queue_check = time.monotonic()
+            await self._check_queue(version)
+        entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
+        now = time.monotonic()
+        if entries:
+            self._last_arrival = now
+        elif now - self._last_arrival > 30 and now - self._last_wait_log > 30:
+            self._last_wait_log = now
+            depth = await self.prompts.depth()
+            gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
+            log.warning("no trajectories for %.0fs: %d groups in flight, prompt stream %d unacked (%d undelivered), "
+                        "generators: %s", now - self._last_arrival, self.issuer.in_flight, depth.length, depth.lag, gens)
+        out = []
+        for entry in entries:
+            try:
+                out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
+            except DecodeError as err:
+                await self.admission.drop_undecodable(entry, err)
+        return out
+
+    async def replay_pending(self) -> Arrivals:
+        """This consumer's entries delivered before a restart and never acked (an undecodable one is
+        acked and left out)."""
+        out = []
+        for entry in await self.trajectories.read_own_pending(CONSUMER, count=100000):
+            try:
+                out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
+            except DecodeError:
+                await self.trajectories.ack(entry.id)
+        return out
+
+    async def _check_queue(self, version: int) -> None:
+        """Detect a queue server that came back empty (its run marker or a consumer group is gone):
+        re-create what is needed and re-issue every outstanding prompt group, counted."""
+        recreations = self.prompts.num_group_recreations + self.trajectories.num_group_recreations
+        if await self.prompts.get_marker("run") is not None and recreations == self._group_recreations:
+            return
+        self._group_recreations = recreations
+        await mark_queues(self.prompts, self.trajectories, self.run_id)
+        n = await self.issuer.reissue_outstanding()
+        log.error("the queue server lost its data (run marker or consumer group gone): re-issued %d outstanding "
+                  "prompt groups; trained-but-unacked trajectories stay covered by the next checkpoint", n)
+        self.metrics.write({"kind": "queue_loss", "version": version, "num_reissued": n})
