@@ -74,6 +74,11 @@ class GlooSender:
     def form_group(self, epoch: int, world_size: int) -> None:
         ticket = self._minted[epoch]
         self.group = join(self.store, ticket, 0, world_size, self.cfg.timeout_s)
+        # Every rank has connected (the proofs went round), so the group's rendezvous keys are done
+        # with: drop them, and a stranger listing the store sees the prefix only while a group forms.
+        for key in self.store.list_keys():
+            if key.startswith(ticket.prefix + "/"):
+                self.store.delete_key(key)
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
         assert self.group is not None, "form_group before send"

