@@ -2,9 +2,13 @@
 
 Built on what util-linux and the kernel ship, no extra install: `unshare` puts each run in fresh
 mount, network, pid, IPC and UTS namespaces, and `sandbox_init` (process 1 there) builds a minimal
-read-only root and runs `sandbox_harness` as an unprivileged user under rlimits. Needs root (or
-CAP_SYS_ADMIN) to create the namespaces and switch users; `Sandbox()` fails at once, saying what is
-missing, where that is not available (e.g. a container started without `--cap-add SYS_ADMIN`).
+read-only root and runs `sandbox_harness` without privileges under rlimits. As root, the program
+runs as an unprivileged uid of its own; otherwise `unshare --user --map-root-user` adds a user
+namespace (unprivileged user namespaces must be enabled: `sysctl kernel.unprivileged_userns_clone`
+on Debian, `user.max_user_namespaces` > 0) and the program runs as that namespace's root with every
+capability dropped. `Sandbox.check()` runs a probe at start-up and fails, saying what is missing,
+where neither works (e.g. a container whose seccomp profile forbids namespaces: Docker's default
+without `--cap-add SYS_ADMIN`, Kubernetes' RuntimeDefault).
 
 What a run is protected against:
 - the network: an empty network namespace (not even loopback is up; every connect fails);
@@ -13,10 +17,11 @@ What a run is protected against:
   run); no `/etc/passwd`, `/proc`, `/tmp`, home or run directories;
 - other processes: its own pid namespace (it sees and can signal only itself); when the run ends,
   every process it started is killed with it;
+- privileges: none (another uid, or no capabilities; no_new_privs), so the chroot and mounts stay;
 - resources: CPU seconds per process (RLIMIT_CPU), address space (RLIMIT_AS), processes of its user
-  (RLIMIT_NPROC; each concurrent run gets a uid of its own, so one run's fork bomb does not eat
-  another's budget), file size (RLIMIT_FSIZE), open files, and a wall-clock limit on the whole run;
-  output read back is truncated.
+  (RLIMIT_NPROC; each concurrent run gets a uid — or a user namespace — of its own, so one run's
+  fork bomb does not eat another's budget), file size (RLIMIT_FSIZE), open files, and a wall-clock
+  limit on the whole run; output read back is truncated.
 
 What it does not protect against: kernel vulnerabilities (it is namespaces and rlimits, not a VM
 or gVisor); CPU contention — a run may use every core until its wall time ends (there is no
@@ -67,7 +72,7 @@ class SandboxLimits:
         return (f"cpu {self.cpu_s}s/process, wall {self.wall_s}s/run, address space {self.memory_mb} MiB/process, "
                 f"{self.max_processes} processes, files {self.file_size_mb} MiB, work dir {self.work_mb} MiB tmpfs, "
                 f"{self.test_timeout_s}s/test, output read back {self.max_output_bytes} bytes; no network, "
-                "own pid/mount/IPC/UTS namespaces, read-only root without host files, unprivileged uid")
+                "own pid/mount/IPC/UTS namespaces, read-only root without host files, no privileges")
 
 
 @dataclass
@@ -104,14 +109,12 @@ class Sandbox:
         if not os.access(self.python, os.X_OK):
             raise ValueError(f"sandbox python {self.python!r} is not an executable file")
         self.prefix = sys.base_prefix if python is None else str(Path(self.python).parents[1])
-        self._unshare = shutil.which("unshare")
-        if self._unshare is None:
+        unshare = shutil.which("unshare")
+        if unshare is None:
             raise SandboxUnavailable("the code sandbox needs `unshare` (Debian/Ubuntu package util-linux) on PATH")
-        if os.geteuid() != 0:
-            raise SandboxUnavailable(
-                "the code sandbox needs root (to create mount/network/pid namespaces and to run programs as an "
-                f"unprivileged uid); this reward server runs as uid {os.geteuid()}. Run it as root, or in a "
-                "container started with --cap-add SYS_ADMIN")
+        self.as_root = os.geteuid() == 0
+        self._unshare = [unshare, *([] if self.as_root else ["--user", "--map-root-user"]), "--mount", "--net",
+                         "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
         binds = [p for p in _SYSTEM_BINDS if os.path.lexists(p)]
         if not any(self.prefix == b or self.prefix.startswith(b + "/") for b in binds):
             binds.append(self.prefix)
@@ -120,6 +123,11 @@ class Sandbox:
         for i in range(max_concurrency):
             self._uids.put(_UID_BASE + i)
         self._harness = (_HERE / "sandbox_harness.py").read_text()
+
+    @property
+    def isolation(self) -> str:
+        return ("an unprivileged uid per concurrent run" if self.as_root else
+                "a user namespace per run, its root without capabilities (the reward server is not root)")
 
     def run(self, program: str, tests: list[str | dict[str, str]]) -> RunResult:
         """Run `program` against `tests` (see `sandbox_harness` for the two kinds) in a fresh sandbox."""
@@ -132,7 +140,7 @@ class Sandbox:
     def _run(self, program: str, tests: list, uid: int) -> RunResult:
         limits, nonce = self.limits, secrets.token_hex(16)
         job = {"program": program, "harness": self._harness, "python": self.python, "binds": self._binds,
-               "limits": {"uid": uid, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+               "limits": {"uid": uid if self.as_root else None, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
                           "max_processes": limits.max_processes, "file_size_mb": limits.file_size_mb,
                           "work_mb": limits.work_mb},
                "spec": {"nonce": nonce, "tests": tests, "test_timeout_s": limits.test_timeout_s,
@@ -140,8 +148,7 @@ class Sandbox:
         root = tempfile.mkdtemp(prefix="rlmesh-sandbox-")
         try:
             proc = subprocess.Popen(
-                [self._unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-                 sys.executable, "-I", "-S", str(_HERE / "sandbox_init.py"), root],
+                [*self._unshare, sys.executable, "-I", "-S", str(_HERE / "sandbox_init.py"), root],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             try:
                 proc.stdin.write(json.dumps(job).encode())
@@ -171,7 +178,9 @@ class Sandbox:
         """Run a probe program that checks the isolation; returns its seconds. Raises `SandboxUnavailable`
         naming what does not hold (so a reward server never serves an unsandboxed code environment)."""
         probes = {
-            "runs as an unprivileged user": "import os; assert os.getuid() != 0",
+            "holds no privileges (chroot is refused)": "import os\ntry:\n    os.chroot('/')\n"
+                                                        "    raise AssertionError('chroot worked')\n"
+                                                        "except PermissionError:\n    pass",
             "has no network": "import socket\ntry:\n    socket.create_connection(('10.255.255.1', 80), 1)\n"
                               "    raise AssertionError('connected')\nexcept OSError as e:\n"
                               "    assert 'connected' not in str(e)",
@@ -183,8 +192,12 @@ class Sandbox:
         result = self.run("", list(probes.values()))
         failed = [f"{what} ({r.detail})" for what, r in zip(probes, result.tests) if not r.passed]
         if failed:
-            raise SandboxUnavailable(f"the code sandbox does not work on this host: a probe run failed: "
-                                     f"{'; '.join(failed)}; sandbox stderr: {result.stderr.strip()[-500:]!r}")
+            how = ("as root" if self.as_root else "in a user namespace (not root: unprivileged user namespaces must be "
+                   "enabled, or run the reward server as root)")
+            raise SandboxUnavailable(f"the code sandbox does not work on this host {how}: a probe run failed: "
+                                     f"{'; '.join(failed)}; sandbox stderr: {result.stderr.strip()[-500:]!r}. It "
+                                     "needs util-linux `unshare` and permission to create namespaces (in a container: "
+                                     "--cap-add SYS_ADMIN or a seccomp profile allowing unshare)")
         return time.monotonic() - t0
 
 

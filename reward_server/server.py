@@ -10,10 +10,13 @@ import os
 import uvloop
 
 from rlmesh.reward_server.environments.math import MathEnvironment
+from rlmesh.reward_server.environments.code import CodeEnvironment
+from rlmesh.reward_server.environments.judge import JudgeEnvironment
 from rlmesh.reward_server.environments.mcp_tools import McpToolEnvironment
 from rlmesh.reward_server.environments.openenv_remote import OpenEnvEnvironment
 from rlmesh.reward_server.environments.function import FunctionEnvironment
 from rlmesh.reward_server.function_workers import WorkerLimits
+from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
 from rlmesh.reward_server.service import BUILTIN, RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.services.auth import TLSFiles, load_token
@@ -39,9 +42,17 @@ async def serve(config: RunConfig, port: int) -> None:
         replica_id=section.replica_id or os.environ.get("RLMESH_REPLICA_ID") or None,
         function_limits=WorkerLimits.from_config(section),
     )
-    for name, mcp in section.mcp.items():
-        service.add_local(name, McpToolEnvironment(name, mcp.url, score=mcp.score, max_turns=mcp.max_turns,
+    # Names in `remote` (e.g. run by `rlmesh up` in an env process of their own) are proxied, not built here.
+    for name, mcp in _local(section.mcp, section.remote):
+        service.add_local(name, McpToolEnvironment(name, mcp.url, command=mcp.command, env=mcp.env, cwd=mcp.cwd,
+                                                   score=mcp.score, max_turns=mcp.max_turns,
                                                    call_timeout_s=mcp.call_timeout_s))
+    for name, code in _local(section.code, section.remote):
+        limits = SandboxLimits(**code.model_dump(exclude={"tests_key", "python"}))
+        sandbox = Sandbox(limits, python=code.python, max_concurrency=section.env_max_concurrency)
+        service.add_local(name, CodeEnvironment(name, sandbox, tests_key=code.tests_key))
+    for name, judge in _local(section.judge, section.remote):
+        service.add_local(name, JudgeEnvironment(name, **judge.model_dump()))
     if "math" not in section.remote:  # the built-in math environment, with its settings from reward.math
         service.add_local("math", MathEnvironment(**section.math.model_dump()))
     for name, env in section.openenv.items():
@@ -78,6 +89,10 @@ async def report_function_health(service: RewardService, server: Server, period_
                 else:
                     log.info("reward function %s is serving", name)
         await asyncio.sleep(period_s)
+
+
+def _local(envs: dict, remote: dict) -> list:
+    return [(name, env) for name, env in envs.items() if name not in remote]
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:

@@ -223,14 +223,101 @@ class RolloutSection(Section):
 
 
 class McpEnvironmentSection(Section):
-    url: str
-    """Streamable HTTP endpoint of the MCP tool server, e.g. http://127.0.0.1:8000/mcp."""
+    url: str | None = None
+    """Streamable HTTP endpoint of the MCP tool server, e.g. http://127.0.0.1:8000/mcp (set this or `command`)."""
+    command: list[str] | None = None
+    """Launch a stdio MCP server, one process per episode: program and arguments, e.g. [uvx, mcp-server-time] (set this or `url`)."""
+    env: dict[str, str] = {}
+    """Environment variables for the `command` server, on top of the MCP SDK's default safe set (PATH, HOME, ...)."""
+    cwd: str | None = None
+    """Working directory of the `command` server (default: the reward server's)."""
     score: str | None = None
     """`module:function(answer, metadata, messages)` giving the final answer's reward (a float, or a dict with `reward` and components); default: exact match with metadata.answer."""
     max_turns: int = Field(4, ge=1)
     """Model turns before the episode ends without an answer (reward 0)."""
     call_timeout_s: float = Field(10.0, gt=0)
     """Deadline of one MCP call (opening a session, tools/list, tools/call)."""
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpEnvironmentSection:
+        if (self.url is None) == (self.command is None):
+            raise ValueError("set exactly one of `url` (a Streamable HTTP server) and `command` (a stdio server "
+                             f"to launch), got url={self.url!r}, command={self.command!r}")
+        if self.command is not None and not self.command:
+            raise ValueError("`command` is empty; give the program and its arguments, e.g. [uvx, mcp-server-time]")
+        if self.command is None and (self.env or self.cwd):
+            raise ValueError("`env` and `cwd` apply to a launched stdio server; set `command`, or drop them")
+        return self
+
+
+class CodeEnvironmentSection(Section):
+    tests_key: str = "tests"
+    """Metadata key holding the item's tests: a list (or JSON string of a list) of assert strings and/or {input, output} objects."""
+    cpu_s: int = Field(5, ge=1)
+    """CPU seconds each process of a run may use (RLIMIT_CPU)."""
+    wall_s: float = Field(10.0, gt=0)
+    """Wall-clock seconds one item's whole run may take; past it every process of the run is killed."""
+    test_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock seconds one test may take inside the run."""
+    memory_mb: int = Field(1024, ge=64)
+    """Address space of each process of a run, MiB (RLIMIT_AS)."""
+    max_processes: int = Field(16, ge=2)
+    """Processes a run may have at once (RLIMIT_NPROC of its own uid; a fork bomb stops here)."""
+    file_size_mb: int = Field(16, ge=1)
+    """Largest file a run may write, MiB (RLIMIT_FSIZE)."""
+    work_mb: int = Field(64, ge=1)
+    """Size of the run's throw-away working directory (a tmpfs), MiB."""
+    max_output_bytes: int = Field(65536, ge=1024)
+    """Output read back from a run (and from each stdin/stdout test), bytes; the rest is dropped."""
+    python: str | None = None
+    """Interpreter that runs programs (its installation is bound read-only into the sandbox); default: the reward server's base Python."""
+
+
+class JudgeEnvironmentSection(Section):
+    url: str
+    """Base URL of an OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1 (`/chat/completions` is appended)."""
+    model: str
+    """Model name sent in each request."""
+    rubric: str
+    """Prompt to the judge, with the placeholders {prompt} (the item's user messages), {completion} and {reference} (metadata[reference_key])."""
+    system: str | None = None
+    """Optional system message sent before the rubric."""
+    reference_key: str = "answer"
+    """Metadata key that fills {reference}."""
+    score_regex: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+    """Regex whose first group is the score in the judge's reply (the last match counts); no match is a per-item 'unparseable verdict' error."""
+    min_score: float = 0.0
+    """Lowest score the rubric asks for; maps to reward 0."""
+    max_score: float = 10.0
+    """Highest score the rubric asks for; maps to reward 1 (a score outside [min_score, max_score] is a per-item error)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of the judge."""
+    max_tokens: int = Field(256, ge=1)
+    """Tokens the judge may write per verdict."""
+    max_concurrency: int = Field(8, ge=1)
+    """Requests in flight to the endpoint at once (over all batches)."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Deadline of one request; timeout_s * (retries + 1) must fit in reward.env_timeout_s."""
+    retries: int = Field(1, ge=0)
+    """Retries of a request that failed to connect, timed out, or got 429/5xx (with backoff); 4xx is not retried."""
+    api_key_env: str | None = None
+    """Environment variable holding the API key (sent as a Bearer token); unset: no key."""
+
+    @model_validator(mode="after")
+    def _rubric_and_regex(self) -> JudgeEnvironmentSection:
+        import re
+
+        if "{completion}" not in self.rubric:
+            raise ValueError("rubric must contain {completion} (and may use {prompt}, {reference})")
+        try:
+            groups = re.compile(self.score_regex).groups
+        except re.error as err:
+            raise ValueError(f"score_regex {self.score_regex!r} is not a regular expression: {err}") from None
+        if groups < 1:
+            raise ValueError(f"score_regex {self.score_regex!r} needs a group capturing the score, e.g. (\\d+)")
+        if self.max_score <= self.min_score:
+            raise ValueError(f"max_score={self.max_score} must be above min_score={self.min_score}")
+        return self
 
 
 class OpenEnvEnvironmentSection(Section):
@@ -288,10 +375,27 @@ class RewardSection(Section):
     """MCP tool servers served as multi-turn tool-use environments: name -> url, scoring function, budgets."""
     openenv: dict[str, OpenEnvEnvironmentSection] = {}
     """OpenEnv environment servers served as multi-turn environments: name -> url, action/observation mapping, budgets."""
+    code: dict[str, CodeEnvironmentSection] = {}
+    """Code environments: name -> sandbox limits; the model's Python is run against metadata tests, reward = pass rate."""
+    judge: dict[str, JudgeEnvironmentSection] = {}
+    """LLM-judge environments: name -> OpenAI-compatible endpoint, model, rubric, score parsing, concurrency, timeouts."""
     math: MathEnvironmentSection = MathEnvironmentSection()
     """The built-in `math` environment (final answers checked with math-verify): its per-item timeout, worker processes and format reward."""
     env_processes: list[str] = []
     """Environments `rlmesh up` serves from a reward-server process of their own (own crash domain and CPU), proxied by the main reward server under the same name like any remote environment."""
+
+    @model_validator(mode="after")
+    def _env_budgets_fit(self) -> RewardSection:
+        for name, code in self.code.items():
+            if code.wall_s >= self.env_timeout_s:
+                raise ValueError(f"code.{name}.wall_s={code.wall_s} must be below env_timeout_s={self.env_timeout_s} "
+                                 "(the run must end before the reward server gives up on the item)")
+        for name, judge in self.judge.items():
+            budget = judge.timeout_s * (judge.retries + 1)
+            if budget > self.env_timeout_s:
+                raise ValueError(f"judge.{name}: timeout_s * (retries + 1) = {budget:g}s exceeds env_timeout_s="
+                                 f"{self.env_timeout_s}; lower timeout_s or retries, or raise env_timeout_s")
+        return self
 
 
 class FSDP2BackendSection(Section):

@@ -61,8 +61,8 @@ class CodeEnvironment:
         self.name, self.tests_key, self._sandbox = name, tests_key, sandbox
         self.description = f"Python program run against metadata.{tests_key} in a sandbox; reward = pass rate"
         probe_s = sandbox.check()
-        log.info("code environment %s: sandbox checked (probe run %.2fs); limits in force: %s", name, probe_s,
-                 sandbox.limits.describe())
+        log.info("code environment %s: sandbox checked (probe run %.2fs; programs run as %s); limits in force: %s",
+                 name, probe_s, sandbox.isolation, sandbox.limits.describe())
 
     def score(self, items: list[ScoreInput]) -> list[ScoreOutput]:
         return [self._score_one(item) for item in items]

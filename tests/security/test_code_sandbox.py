@@ -1,24 +1,30 @@
 """The `code` environment through a real reward server (gRPC on loopback): programs run in the real
 sandbox (namespaces via `unshare`, an unprivileged uid, rlimits). Correct and incorrect programs
 score their pass rate; hostile ones — a fork bomb, an endless loop, a 50 GB allocation, a socket,
-reading /etc/passwd or the run directory, writing outside the work directory — score 0 (each test
-is written so that it passes only if the attack worked), and the server keeps serving: a good item
-after each one still scores 1."""
+reading /etc/passwd or the run directory, writing outside the work directory, escaping the chroot
+through a new user namespace, unmounting the read-only binds — score 0 (each test is written so
+that it passes only if the attack worked), and the server keeps serving: a good item after each one
+still scores 1. The same sandbox also works for a reward server that is not root (user namespaces)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import logging
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 from google.protobuf.struct_pb2 import Struct
 
-from rlmesh.reward_server.environments.code import CodeEnvironment
+from rlmesh.reward_server.environments.code import CodeEnvironment, extract_program
 from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
 from rlmesh.reward_server.service import RewardService
 from rlmesh.services.grpc_client import make_channel
@@ -107,6 +113,15 @@ HOSTILE = {
     "reading /etc/passwd": ("data = open('/etc/passwd').read()", ["assert 'root' in data"]),
     "reading the run directory": (f"data = open({str(REPO / 'README.md')!r}).read()", ["assert 'rlmesh' in data"]),
     "listing the host root": ("import os\nnames = os.listdir('/')", ["assert 'work' in names or 'home' in names"]),
+    # A chroot is escaped from a new user namespace (chroot again, then `..` past the root): the
+    # kernel refuses a chrooted process a new user namespace, and the program holds no capabilities.
+    "escaping the chroot": ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                            "assert libc.unshare(0x10000000 | 0x00020000) == 0, 'unshare refused'\n"
+                            "os.makedirs('x', exist_ok=True)\nos.chroot('x')\nfor _ in range(20):\n"
+                            "    os.chdir('..')\nos.chroot('.')\ndata = open('/etc/passwd').read()",
+                            ["assert 'root' in data"]),
+    "unmounting the read-only binds": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                                       "unmounted = libc.umount2(b'/usr', 2) == 0", ["assert unmounted"]),
     "spawning a shell": ("import subprocess\nout = subprocess.run(['sh', '-c', 'cat /etc/hostname'], "
                          "capture_output=True).stdout", ["assert out"]),
 }
@@ -146,3 +161,40 @@ async def test_writes_outside_the_work_directory_do_not_reach_the_host(stub, tmp
     for path in targets:
         assert not os.path.exists(path), path
     await _still_serving(stub)
+
+
+def test_without_root_the_sandbox_runs_in_a_user_namespace(tmp_path_factory):
+    """The reward server as an ordinary user: `unshare --user` instead of a uid switch, same
+    isolation. Runs the sandbox module (standard library only) under `setpriv` as nobody."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and util-linux setpriv to become an unprivileged user for the test")
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    pythons = [os.path.realpath(sys.executable), "/usr/bin/python3"]
+    python = next((p for p in pythons if os.path.exists(p) and subprocess.run(
+        [*nobody, p, "-c", "import ctypes, os, sys; assert os.access(os.path.realpath(sys.executable), os.X_OK)"],
+        capture_output=True).returncode == 0), None)
+    if python is None:
+        pytest.skip(f"no Python that an unprivileged user may run among {pythons}")
+    work = Path(tempfile.mkdtemp(prefix="rlmesh-userns-"))
+    try:
+        for name in ("sandbox.py", "sandbox_init.py", "sandbox_harness.py"):
+            shutil.copy(REPO / "reward_server" / name, work / name)
+        script = (f"import json, sys\nsys.path.insert(0, {str(work)!r})\nfrom sandbox import Sandbox, SandboxLimits\n"
+                  "s = Sandbox(SandboxLimits(wall_s=4, cpu_s=2))\ns.check()\n"
+                  "runs = [s.run(p, t) for p, t in json.loads(sys.stdin.read())]\n"
+                  "print(json.dumps([s.isolation, [r.pass_rate for r in runs]]))")
+        cases = [GOOD, HOSTILE["reading /etc/passwd"], HOSTILE["escaping the chroot"],
+                 HOSTILE["unmounting the read-only binds"], HOSTILE["50 GB allocation"],
+                 ("import socket\nconn = socket.create_connection(('127.0.0.1', 22), 1)", ["assert conn"])]
+        work.chmod(0o755)
+        for path in work.iterdir():
+            path.chmod(0o644)
+        cases = [(extract_program(program), tests) for program, tests in cases]
+        out = subprocess.run([*nobody, python, "-c", script], input=json.dumps(cases), capture_output=True,
+                             text=True, timeout=120, env={"PATH": os.environ["PATH"], "HOME": "/tmp"})
+        assert out.returncode == 0, out.stderr
+        isolation, rates = json.loads(out.stdout)
+        assert "user namespace" in isolation
+        assert rates == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    finally:
+        shutil.rmtree(work)
