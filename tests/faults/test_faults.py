@@ -20,6 +20,7 @@ import redis
 
 from rlmesh.learner.metrics import read_metrics, surviving_lineage
 from rlmesh.services.ports import free_port
+from rlmesh.services.queue import TRAJECTORY_GROUP
 from tests.e2e.test_mesh import Up, _cmdline
 
 pytestmark = pytest.mark.faults
@@ -96,7 +97,7 @@ def test_fault_is_survived_exactly_once(fault, tmp_path):
         client = redis.Redis(port=port)
         stream = "rlmesh:trajectories"
         pending = {client.xrange(stream, p["message_id"], p["message_id"])[0][1][b"key"].decode()
-                   for p in client.xpending_range(stream, "learner", "-", "+", 100000)
+                   for p in client.xpending_range(stream, TRAJECTORY_GROUP, "-", "+", 100000)
                    if client.xrange(stream, p["message_id"], p["message_id"])}
         dropped_path = run_dir / "dropped_groups.jsonl"
         dropped = ({json.loads(line)["group_id"] for line in dropped_path.read_text().splitlines()}
