@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("address", metavar="HOST:PORT", help="the server to ask, e.g. 127.0.0.1:50052")
     health.add_argument("--service", default="", help="health service name (default: the whole server)")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
+
+    tls = sub.add_parser("tls-init", help="write a throw-away CA and a certificate per tier for mutual TLS "
+                                          "(network.tls.*_file with {tier})")
+    tls.add_argument("--output", required=True, help="directory for ca.crt, <tier>.crt and <tier>.key")
+    tls.add_argument("--days", type=int, default=30, help="validity of the certificates in days")
+    tls.add_argument("--name", action="append", default=[], metavar="DNS",
+                     help="an extra DNS name in every certificate (repeatable)")
     return parser
 
 
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "health":
         return _health(args)
+    if args.command == "tls-init":
+        return _tls_init(args)
     from rlmesh.services.config import ConfigError, load_config
 
     try:
@@ -99,8 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         import yaml
 
-        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        from rlmesh.services.config import public_dict
+
+        print(yaml.safe_dump(public_dict(config), sort_keys=False), end="")
         return 0
+    if args.command in ("learner", "rollout", "reward"):
+        problem = _cannot_serve(config, args.command)
+        if problem:
+            print(f"rlmesh {args.command}: {problem}", file=sys.stderr)
+            return 2
+    if args.command == "eval":
+        from rlmesh.entrypoints.evaluate import run_eval
+
+        return run_eval(config, args)
     if args.command == "up":
         from rlmesh.entrypoints.up import run_up
 
@@ -134,13 +154,40 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
+def _cannot_serve(config, tier: str) -> str | None:
+    """Why this tier may not start with these credentials (see `check_can_serve`), before anything heavy loads."""
+    from rlmesh.services.auth import TLSFiles, check_can_serve, load_token
+
+    net = config.network
+    try:
+        check_can_serve(net.host, token=load_token(net.token_file, net.token_env),
+                        tls=TLSFiles.from_config(net, tier), insecure=net.insecure)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _tls_init(args: argparse.Namespace) -> int:
+    from rlmesh.services.tls_certs import make_certificates
+
+    paths = make_certificates(args.output, days=args.days, extra_names=tuple(args.name))
+    print(f"rlmesh tls-init: wrote {', '.join(p.name for p in paths.values())} and their keys to {args.output}; use\n"
+          f"  network.tls.cert_file={args.output}/{{tier}}.crt network.tls.key_file={args.output}/{{tier}}.key "
+          f"network.tls.ca_file={args.output}/ca.crt")
+    return 0
+
+
 def _health(args: argparse.Namespace) -> int:
     import asyncio
 
+    from rlmesh.services.auth import TLSFiles
     from rlmesh.services.grpc_client import wait_for_serving
 
     try:
-        asyncio.run(wait_for_serving(args.address, what="server", timeout_s=args.timeout, service=args.service))
+        # Over TLS (RLMESH_TLS_*), the certificate is checked against the address dialled (tls-init's
+        # certificates name localhost and 127.0.0.1).
+        asyncio.run(wait_for_serving(args.address, what="server", timeout_s=args.timeout, service=args.service,
+                                     tls=TLSFiles.from_env()))
     except TimeoutError as err:
         print(f"rlmesh health: {err}", file=sys.stderr)
         return 1

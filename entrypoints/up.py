@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlmesh.services.config import RunConfig, dump_config
+from rlmesh.services.config import NetworkSection, RunConfig, dump_config
 from rlmesh.services.ports import free_port
 from rlmesh.services.retry import Backoff
 
@@ -185,11 +185,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
 
     _check_model_path(config)
     resolved = config.model_copy(deep=True)
-    if config.queue.url == "embedded":
-        from rlmesh.services.valkey import start_embedded_valkey
-
-        mesh.valkey = start_embedded_valkey(run_dir / "valkey")
-        resolved.queue.url = mesh.valkey.connection_url
+    _pass_secrets(mesh, config, resolved, run_dir)
 
     # Model preparation (tiny model, SFT warm start) happens once, before any service loads it.
     if config.model.type == "tiny" or config.sft.num_steps > 0:
@@ -219,27 +215,61 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     for name, port in env_ports.items():
         mesh.spawn(f"env-{name}", ["reward", "-c", str(run_dir / "config.env.yaml"), "--port", str(port)])
     # Serving before the main reward server registers them, so it learns what they serve.
-    _wait_serving(mesh, host, {f"env-{n}": p for n, p in env_ports.items()})
+    _wait_serving(mesh, config.network, {f"env-{n}": p for n, p in env_ports.items()})
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
     learner = mesh.spawn("learner", ["learner", *base, "--run-dir", str(run_dir), "--port", str(learner_port)],
                          launcher=torchrun_args(config))
     for i in range(config.rollout.num_servers):
         mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}"])
 
-    _wait_serving(mesh, host, {"reward": reward_port, "learner": learner_port})
+    _wait_serving(mesh, config.network, {"reward": reward_port, "learner": learner_port})
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
     return _watch(mesh, learner, config, run_dir, on_row)
 
 
-def _wait_serving(mesh: Mesh, host: str, ports: dict[str, int]) -> None:
+def _pass_secrets(mesh: Mesh, config: RunConfig, resolved: RunConfig, run_dir: Path) -> None:
+    """Secrets reach the services through their environment, never through the run directory: a
+    random token for this run when none is set, the embedded queue's random password, and a
+    password written into queue.url (taken out of the URL the services read)."""
+    import secrets
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    from rlmesh.services.auth import load_token
+
+    env = dict(mesh.env or {})
+    net = config.network
+    if not env.get(net.token_env) and load_token(net.token_file, net.token_env) is None:
+        env[net.token_env] = secrets.token_urlsafe(32)
+    queue = resolved.queue
+    if config.queue.url == "embedded":
+        from rlmesh.services.valkey import EMBEDDED_USER, start_embedded_valkey
+
+        password = secrets.token_urlsafe(32)
+        mesh.valkey = start_embedded_valkey(run_dir / "valkey", password=password)
+        queue.url, queue.username, queue.password_file = mesh.valkey.connection_url, EMBEDDED_USER, None
+        env[queue.password_env] = password
+    else:
+        parts = urlsplit(queue.url)
+        if parts.password is not None and not queue.password_file:
+            env[queue.password_env] = unquote(parts.password)
+            user = f"{parts.username}@" if parts.username else ""
+            queue.url = urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1]))
+    mesh.env = env
+
+
+def _wait_serving(mesh: Mesh, network: NetworkSection, ports: dict[str, int]) -> None:
+    from rlmesh.services.auth import TLSFiles
     from rlmesh.services.grpc_client import ExitedWhileStarting, wait_for_serving
 
     services = {svc.name: svc for svc in mesh.services}
+    host = network.host
     for name, port in ports.items():
         svc = services[name]
+        tier = "learner" if name == "learner" else "reward"  # env-* processes are reward servers
+        tls = TLSFiles.from_config(network, tier)
         try:
             asyncio.run(wait_for_serving(f"{host}:{port}", what=f"{name} server", timeout_s=600,
-                                         alive=lambda svc=svc: svc.proc.poll() is None))
+                                         alive=lambda svc=svc: svc.proc.poll() is None, tls=tls, peer=tier))
         except ExitedWhileStarting:
             raise SystemExit(f"rlmesh up: {name} exited while starting (code {svc.proc.returncode}); last lines of "
                              f"{svc.log_path}:\n{svc.tail()}") from None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from rlmesh.services.auth import TLSFiles
 from rlmesh.services.grpc_client import make_channel
 
 log = logging.getLogger(__name__)
@@ -32,16 +33,19 @@ class Generator:
 class Membership:
     """Rollout servers known to the learner. Any change marks the broadcast group for rebuild."""
 
-    def __init__(self, *, token: str | None, rpc_timeout_s: float, expire_after_s: float = 20.0) -> None:
+    def __init__(self, *, token: str | None, rpc_timeout_s: float, expire_after_s: float = 20.0,
+                 tls: TLSFiles | None = None) -> None:
         self.generators: dict[str, Generator] = {}
         self.changed = True
         self._token, self._rpc_timeout_s, self._expire_after_s = token, rpc_timeout_s, expire_after_s
+        self._tls = tls
 
     def register(self, generator_id: str, address: str, num_workers: int, version: int = 0) -> Generator:
         old = self.generators.pop(generator_id, None)
         if old is not None:
             log.info("generator %s re-registered", generator_id)
-        channel = make_channel(address, token=self._token, default_timeout_s=self._rpc_timeout_s)
+        channel = make_channel(address, token=self._token, default_timeout_s=self._rpc_timeout_s, tls=self._tls,
+                               peer="rollout")
         gen = Generator(generator_id, address, max(num_workers, 1), channel, rollout_pb2_grpc.RolloutServiceStub(channel),
                         version=version)
         self.generators[generator_id] = gen

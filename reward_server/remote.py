@@ -16,6 +16,7 @@ import grpc
 from rlmesh.reward_server.environments.base import nonfinite_error
 from rlmesh.reward_server.sessions import SessionError
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+from rlmesh.services.auth import TLSFiles
 from rlmesh.services.grpc_client import make_channel
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,11 @@ def check_results(env_name: str, address: str, items: list[reward_pb2.ScoreItem]
 
 
 class RemoteEnvironment:
-    def __init__(self, name: str, address: str, *, token: str | None, timeout_s: float) -> None:
+    def __init__(self, name: str, address: str, *, token: str | None, timeout_s: float,
+                 tls: TLSFiles | None = None) -> None:
         self.name, self.address, self.timeout_s = name, address, timeout_s
-        self.channel = make_channel(address, token=token, default_timeout_s=timeout_s)
+        # An environment server is a reward server: over TLS its certificate names the reward tier.
+        self.channel = make_channel(address, token=token, default_timeout_s=timeout_s, tls=tls, peer="reward")
         self._stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.kind = ""
         self.description = ""

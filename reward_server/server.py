@@ -9,19 +9,20 @@ import os
 
 import uvloop
 
-from rlmesh.reward_server.environments.math import MathEnvironment
 from rlmesh.reward_server.environments.code import CodeEnvironment
 from rlmesh.reward_server.environments.judge import JudgeEnvironment
+from rlmesh.reward_server.environments.math import MathEnvironment
 from rlmesh.reward_server.environments.mcp_tools import McpToolEnvironment
 from rlmesh.reward_server.environments.openenv_remote import OpenEnvEnvironment
+from rlmesh.reward_server.limits import RequestLimits
+from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
 from rlmesh.reward_server.environments.function import FunctionEnvironment
 from rlmesh.reward_server.function_workers import WorkerLimits
-from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
 from rlmesh.reward_server.service import BUILTIN, RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.services.auth import TLSFiles, load_token
 from rlmesh.services.config import RunConfig
-from rlmesh.services.grpc_server import Server, start_server
+from rlmesh.services.grpc_server import Server, ServerLimits, start_server
 from rlmesh.services.telemetry import setup_logging
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
@@ -30,6 +31,7 @@ SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 async def serve(config: RunConfig, port: int) -> None:
     log = setup_logging("reward", config.logging.level)
     token = load_token(config.network.token_file, config.network.token_env)
+    tls = TLSFiles.from_config(config.network, "reward")
     section = config.reward
     service = RewardService(
         # A name declared remote is served by its remote server, never by the built-in of that name.
@@ -40,6 +42,7 @@ async def serve(config: RunConfig, port: int) -> None:
         env_max_concurrency=section.env_max_concurrency,
         session_idle_timeout_s=section.session_idle_timeout_s,
         replica_id=section.replica_id or os.environ.get("RLMESH_REPLICA_ID") or None,
+        allow_register=section.allow_register, limits=RequestLimits.from_config(section), tls=tls,
         function_limits=WorkerLimits.from_config(section),
     )
     # Names in `remote` (e.g. run by `rlmesh up` in an env process of their own) are proxied, not built here.
@@ -61,12 +64,15 @@ async def serve(config: RunConfig, port: int) -> None:
         await service.register_remote(name, address)
     server = await start_server(
         [(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
-        host=config.network.host, port=port, token=token, tls=TLSFiles.from_env(),
+        host=config.network.host, port=port, token=token, tls=tls, insecure=config.network.insecure,
+        limits=ServerLimits.from_config(config.network, "reward"),
     )
+    reaper = asyncio.create_task(service.close_idle_forever(), name="idle-sessions")
     function_health = asyncio.create_task(report_function_health(service, server), name="function-health")
     log.info("reward server on port %d (replica %s); environments: %s", server.port, service.sessions.replica,
              ", ".join(e.name for e in service.environments()))
     await server.serve_forever(grace_s=5.0)
+    reaper.cancel()
     function_health.cancel()
 
 

@@ -18,6 +18,7 @@ reward), ABORTED (its remote server is gone). A session whose environment failed
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections import defaultdict
@@ -34,9 +35,11 @@ from rlmesh.reward_server.environments.function import FunctionEnvironment, load
 from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
 from rlmesh.reward_server.environments.math import MathEnvironment
+from rlmesh.reward_server.limits import RequestLimits
 from rlmesh.reward_server.remote import RemoteEnvironment
 from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
 from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
+from rlmesh.services.auth import TLSFiles, peer_tier
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from rlmesh.domain.chat import as_dicts as to_messages
 
@@ -70,6 +73,12 @@ def load_environment(name: str, path: str, function_limits: WorkerLimits) -> Any
     return FunctionEnvironment(name, path, function_limits)
 
 
+def caller(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for per-caller limits: the tier its certificate names, else its host."""
+    tier = peer_tier(context)
+    return tier if tier is not None else context.peer().rsplit(":", 1)[0]
+
+
 def _budget(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else max(remaining * _DEADLINE_SHARE, 0.001)
@@ -79,11 +88,15 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, functions: dict[str, str] | None = None, *, token: str | None = None,
                  remote_timeout_s: float = 30.0, env_timeout_s: float = 30.0, env_max_concurrency: int = 8,
                  session_idle_timeout_s: float = 600.0, replica_id: str | None = None,
-                 builtin: Iterable[str] | None = None, function_limits: WorkerLimits | None = None) -> None:
+                 builtin: Iterable[str] | None = None, allow_register: bool = False,
+                 limits: RequestLimits | None = None, tls: TLSFiles | None = None,
+                 function_limits: WorkerLimits | None = None) -> None:
         """`env_timeout_s` bounds every local environment call (a Score batch, a reset, a step);
         `env_max_concurrency` is how many calls each local environment runs at once; `builtin`
         picks the built-in environments to serve (all by default; none for a pure proxy);
-        `function_limits` says how user reward functions' worker processes run."""
+        `allow_register` accepts RegisterEnvironment calls; `limits` bound each request; `tls` is
+        used on the channels to remote environment servers; `function_limits` says how user reward
+        functions' worker processes run."""
         names = list(BUILTIN) if builtin is None else list(builtin)
         unknown = sorted(set(names) - set(BUILTIN))
         if unknown:
@@ -98,7 +111,8 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         for name, path in (functions or {}).items():
             self.add_local(name, load_environment(name, path, function_limits))
         self.sessions = SessionTable(replica_id or uuid.uuid4().hex[:8], session_idle_timeout_s)
-        self._token, self._remote_timeout_s = token, remote_timeout_s
+        self._token, self._remote_timeout_s, self._tls = token, remote_timeout_s, tls
+        self.allow_register, self.limits = allow_register, limits or RequestLimits()
         self._background: set[asyncio.Task] = set()
 
     def add_local(self, name: str, env: Any) -> None:
@@ -114,7 +128,8 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         if name in self.local:
             raise ValueError(f"environment {name!r} is already served locally; pick another name")
         check_name("environment", name)
-        remote = RemoteEnvironment(name, address, token=self._token, timeout_s=self._remote_timeout_s)
+        remote = RemoteEnvironment(name, address, token=self._token, timeout_s=self._remote_timeout_s,
+                                   tls=self._tls)
         try:
             await remote.describe()
         except ValueError:
@@ -208,12 +223,26 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             raise SessionError("INTERNAL", f"environment {env_name!r} {what} raised {type(err).__name__}: {err}") \
                 from None
 
-    async def reset(self, request: reward_pb2.ResetRequest, budget_s: float | None = None,
-                    ) -> reward_pb2.ResetResponse:
-        name = request.env_name
-        for session in self.sessions.evict_idle():
+    def close_idle(self) -> int:
+        """Close the sessions idle past the timeout; how many there were."""
+        idle = self.sessions.evict_idle()
+        for session in idle:
             log.info("closing session of %s idle for over %.0fs", session.env_name, self.sessions.idle_timeout_s)
             self._spawn(self._close_quietly(session))
+        return len(idle)
+
+    async def close_idle_forever(self, every_s: float | None = None) -> None:
+        """Close idle sessions on a timer (a caller that never comes back holds no slot for long)."""
+        every_s = every_s or min(max(self.sessions.idle_timeout_s / 4, 0.05), 30.0)
+        while True:
+            await asyncio.sleep(every_s)
+            self.close_idle()
+
+    async def reset(self, request: reward_pb2.ResetRequest, budget_s: float | None = None, *,
+                    owner: str = "") -> reward_pb2.ResetResponse:
+        name = request.env_name
+        self.close_idle()
+        self.limits.check_input(f"Reset of {name!r}", request.prompt, request.env_metadata)
         if name in self.remote:
             reply = await self.remote[name].reset(request, budget_s)
             reply.session_id = str(self.sessions.new_id(name, reply.session_id))
@@ -225,6 +254,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         if not is_multi_turn(env):
             raise SessionError("FAILED_PRECONDITION", f"Reset: environment {name!r} is single-turn and has no "
                                                       "multi-turn sessions; score it with Score")
+        self.limits.check_room(len(self.sessions), self.sessions.num_owned_by(owner), owner)
 
         def start(metadata: dict, prompt: list[Message]):
             return env.reset(metadata, prompt), env.tools()
@@ -242,11 +272,12 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             raise SessionError("INTERNAL", f"environment {name!r} tools() returned something other than a list "
                                            f"of JSON objects: {err}") from None
         sid = self.sessions.new_id(name)
-        self.sessions.add(sid, LocalSession(name, out.state))
+        self.sessions.add(sid, LocalSession(name, out.state, owner=owner))
         reply.session_id = str(sid)
         return reply
 
     async def step(self, request: reward_pb2.StepRequest, budget_s: float | None = None) -> reward_pb2.StepResponse:
+        self.limits.check_text(f"Step of {request.session_id!r} action", request.action.content)
         sid = self.sessions.route(request.session_id)
         if sid.env_name in self.remote:
             return await self.remote[sid.env_name].step(sid.inner, request.action, budget_s)
@@ -308,12 +339,21 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
     # --- gRPC methods ------------------------------------------------------------------------
 
     async def Score(self, request, context):
+        try:
+            self.limits.check_score(request.items)
+        except SessionError as err:
+            await context.abort(grpc.StatusCode[err.code], str(err))
         return reward_pb2.ScoreResponse(results=await self.score(list(request.items), _budget(context)))
 
     async def ListEnvironments(self, request, context):
         return reward_pb2.ListEnvironmentsResponse(environments=self.environments())
 
     async def RegisterEnvironment(self, request, context):
+        if not self.allow_register:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "RegisterEnvironment is off on this reward server: it serves only its configured "
+                                "environments (declare remote ones in reward.remote, or set "
+                                "reward.allow_register=true to accept registrations from any authenticated caller)")
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RegisterEnvironment needs both name and address")
         if request.name in self.local:
@@ -332,7 +372,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             await context.abort(grpc.StatusCode[err.code], str(err))
 
     async def Reset(self, request, context):
-        return await self._session_rpc(self.reset, request, context)
+        return await self._session_rpc(functools.partial(self.reset, owner=caller(context)), request, context)
 
     async def Step(self, request, context):
         return await self._session_rpc(self.step, request, context)

@@ -66,6 +66,8 @@ class LocalSession:
     last_used: float = field(default_factory=time.monotonic)
     # Set while a step or close runs, so that a session's calls never overlap.
     busy: bool = False
+    owner: str = ""
+    """The caller that opened it (its tier under mutual TLS, else its address), for per-caller limits."""
 
 
 class SessionTable:
@@ -94,6 +96,9 @@ class SessionTable:
 
     def add(self, sid: SessionId, session: LocalSession) -> None:
         self._sessions[sid.inner] = session
+
+    def num_owned_by(self, owner: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.owner == owner)
 
     def get(self, sid: SessionId) -> LocalSession:
         session = self._sessions.get(sid.inner)

@@ -16,17 +16,20 @@ from rlmesh.rollout_server.generator import VLLMGenerator
 from rlmesh.rollout_server.reward_client import Replica, RewardPool
 from rlmesh.rollout_server.service import RolloutService
 from rlmesh.rollout_server.worker import RolloutWorker
-from rlmesh.services.auth import TLSFiles, load_token
+from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, load_token
 from rlmesh.services.config import HFModelSection, RunConfig
 from rlmesh.services.grpc_client import make_channel, rpc_problem
-from rlmesh.services.grpc_server import start_server
-from rlmesh.services.queue import StreamQueue, connect, run_streams
+from rlmesh.services.grpc_server import ServerLimits, start_server
+from rlmesh.services.queue import StreamQueue, connect_queue, run_streams
 from rlmesh.services.retry import Backoff, retry
 from rlmesh.services.telemetry import setup_logging
 from rlmesh.services.weights.base import build_receiver
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 HEARTBEAT_S = 2.0
+# Under mutual TLS only the learner may move this server's weights or pause it: every method but
+# Generate and GetStatus (new weight-plane methods included) is the learner's.
+POLICY = Policy({"Generate": ANY, "GetStatus": ANY}, default=frozenset({"learner"}))
 LEARNER_UNREACHABLE = Backoff(0.5, 10.0)
 
 
@@ -98,15 +101,16 @@ async def watch_health(server, generator: VLLMGenerator, worker: RolloutWorker, 
 async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     log = setup_logging("rollout", config.logging.level)
     token = load_token(config.network.token_file, config.network.token_env)
-    tls = TLSFiles.from_env()
+    tls = TLSFiles.from_config(config.network, "rollout")
+    check_can_serve(config.network.host, token=token, tls=tls, insecure=config.network.insecure)  # before vLLM loads
     receiver = build_receiver(config.weight_sync)
     generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, receiver.engine)
     await generator.start()
 
-    redis = connect(config.queue.url)
+    redis = connect_queue(config.queue, "rollout")
     prompts, trajectories = run_streams(redis, config.queue)
     rewards = RewardPool([Replica(address, reward_pb2_grpc.RewardServiceStub(
-        make_channel(address, token=token, tls=tls, default_timeout_s=config.reward.score_timeout_s)))
+        make_channel(address, token=token, tls=tls, peer="reward", default_timeout_s=config.reward.score_timeout_s)))
         for address in config.network.reward_addresses], timeout_s=config.reward.score_timeout_s)
     episodes = EpisodeRunner(generator, rewards, config.rollout.episode, config.rollout.max_model_len)
     worker = RolloutWorker(generator, prompts, trajectories, rewards, episodes, consumer="pending",
@@ -114,13 +118,15 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
                            max_abs_reward=config.reward.max_abs_reward, queue_url=config.queue.url)
     service = RolloutService(generator, "pending", receiver, worker, on_weights=lambda version: worker.ready.set())
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],
-                                host=config.network.host, port=args.port, token=token, tls=tls)
+                                host=config.network.host, port=args.port, token=token, tls=tls,
+                                insecure=config.network.insecure, policy=POLICY,
+                                limits=ServerLimits.from_config(config.network, "rollout"))
     address = f"{args.advertise_host or config.network.host}:{server.port}"
     generator_id = args.generator_id or address
     worker.consumer = service.generator_id = generator_id
     log.info("rollout server %s on port %d", generator_id, server.port)
 
-    learner_channel = make_channel(config.network.learner_address, token=token, tls=tls,
+    learner_channel = make_channel(config.network.learner_address, token=token, tls=tls, peer="learner",
                                    default_timeout_s=config.network.rpc_timeout_s)
     learner = learner_pb2_grpc.LearnerServiceStub(learner_channel)
     tasks = [

@@ -15,6 +15,20 @@ from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+def request_problem(group, prompt_ids: list[int], cfg) -> str | None:
+    """Why a Generate request is over this server's bounds (`rollout.max_n`, `rollout.max_model_len`), if it is."""
+    if group.n > cfg.max_n:
+        return f"prompt.n={group.n} is over the limit rollout.max_n={cfg.max_n}"
+    room = cfg.max_model_len - len(prompt_ids)
+    if room < 1:
+        return (f"the prompt has {len(prompt_ids)} tokens, leaving no room for a completion within "
+                f"rollout.max_model_len={cfg.max_model_len}")
+    if group.sampling.HasField("max_tokens") and not 1 <= group.sampling.max_tokens <= room:
+        return (f"sampling.max_tokens={group.sampling.max_tokens} must be within 1..{room} (rollout.max_model_len="
+                f"{cfg.max_model_len} minus the prompt's {len(prompt_ids)} tokens)")
+    return None
+
+
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, generator: VLLMGenerator, generator_id: str, receiver: Receiver, worker=None,
                  on_weights=None) -> None:
@@ -33,6 +47,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if group.n < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.n={group.n} must be >= 1")
+        problem = request_problem(group, prompt_ids, self.generator.cfg)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         tasks = [asyncio.create_task(self.generator.sample(group, prompt_ids, i)) for i in range(group.n)]
         try:
             for done in asyncio.as_completed(tasks):

@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -206,6 +207,8 @@ class RolloutSection(Section):
     """Nucleus sampling."""
     max_tokens: int = Field(16, ge=1)
     """Completion length cap."""
+    max_n: int = Field(256, ge=1)
+    """Completions one Generate call may ask for (`prompt.n`); more is INVALID_ARGUMENT."""
     max_model_len: int = Field(256, ge=16)
     """vLLM context length."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -379,6 +382,18 @@ class RewardSection(Section):
     """Code environments: name -> sandbox limits; the model's Python is run against metadata tests, reward = pass rate."""
     judge: dict[str, JudgeEnvironmentSection] = {}
     """LLM-judge environments: name -> OpenAI-compatible endpoint, model, rubric, score parsing, concurrency, timeouts."""
+    allow_register: bool = False
+    """Accept `RegisterEnvironment` calls (environments added at run time by any authenticated caller); off: only the configured environments are served."""
+    max_score_items: int = Field(4096, ge=1)
+    """Items one Score call may carry; more is INVALID_ARGUMENT."""
+    max_text_chars: int = Field(262144, ge=1)
+    """Characters a prompt (all its messages), a completion or a step's action may hold; more is INVALID_ARGUMENT."""
+    max_metadata_bytes: int = Field(65536, ge=1)
+    """Serialized size of one item's env_metadata; more is INVALID_ARGUMENT."""
+    max_sessions: int = Field(4096, ge=1)
+    """Multi-turn sessions open on one reward server; a Reset past it is RESOURCE_EXHAUSTED."""
+    max_sessions_per_client: int = Field(1024, ge=1)
+    """Sessions one caller (its certificate's tier under mutual TLS, else its IP) may hold open; a Reset past it is RESOURCE_EXHAUSTED."""
     math: MathEnvironmentSection = MathEnvironmentSection()
     """The built-in `math` environment (final answers checked with math-verify): its per-item timeout, worker processes and format reward."""
     env_processes: list[str] = []
@@ -512,7 +527,19 @@ class AlgorithmSection(Section):
 
 class QueueSection(Section):
     url: str = "embedded"
-    """`embedded` starts a Valkey server for the run; otherwise any redis:// URL."""
+    """`embedded` starts a Valkey server for the run (with a random password); otherwise a redis:// or rediss:// (TLS) URL, best without a password in it (use password_file / password_env)."""
+    username: str | None = None
+    """ACL user the services log in as (`{tier}` becomes learner or rollout, for one ACL user per tier); unset: the default user."""
+    password_file: str | None = None
+    """File holding the queue password (`{tier}` becomes learner or rollout); takes precedence over password_env."""
+    password_env: str = "RLMESH_QUEUE_PASSWORD"
+    """Environment variable holding the queue password (unset: no password). Never written to config files."""
+    tls_ca_file: str | None = None
+    """CA certificate that verifies a rediss:// server (unset: the system's CAs)."""
+    tls_cert_file: str | None = None
+    """Client certificate for a rediss:// server that asks for one (`{tier}` allowed)."""
+    tls_key_file: str | None = None
+    """Key of tls_cert_file (`{tier}` allowed)."""
     prompt_stream: str = "rlmesh:prompts"
     """Stream of prompt groups (learner -> rollout)."""
     trajectory_stream: str = "rlmesh:trajectories"
@@ -544,15 +571,45 @@ class WeightSyncSection(Section):
         return self
 
 
+class TLSSection(Section):
+    cert_file: str | None = None
+    """PEM certificate this service presents, as a server and as a client (`{tier}` becomes learner, rollout or reward; `rlmesh tls-init` makes them); RLMESH_TLS_CERT overrides it."""
+    key_file: str | None = None
+    """PEM key of cert_file (`{tier}` allowed); RLMESH_TLS_KEY overrides it."""
+    ca_file: str | None = None
+    """PEM CA that signed every tier's certificate; RLMESH_TLS_CA overrides it. Set with cert_file: mutual TLS (servers refuse clients without a certificate from this CA, and the certificate's CN is the caller's tier)."""
+    server_name_is_tier: bool = True
+    """Clients check a server's certificate against its tier name (a DNS name `learner`, `rollout`, `reward` in the certificate) rather than the host dialled, so one certificate per tier serves any pod IP; false: against the host dialled."""
+
+
+class LimitsSection(Section):
+    learner_max_message_mib: int = Field(4, ge=1)
+    """Largest request or response the learner's control-plane server accepts (MiB)."""
+    rollout_max_message_mib: int = Field(32, ge=1)
+    """Largest request or response a rollout server accepts (MiB): weight-update metadata lists every tensor's name and shape."""
+    reward_max_message_mib: int = Field(64, ge=1)
+    """Largest request or response a reward server accepts (MiB): a Score batch carries prompts and completions."""
+    max_concurrent_rpcs: int = Field(4096, ge=1)
+    """Calls one server runs at once; past it a call is refused with RESOURCE_EXHAUSTED."""
+    max_metadata_kib: int = Field(16, ge=1)
+    """Largest header metadata a server accepts per call (KiB)."""
+
+
 class NetworkSection(Section):
     host: str = "127.0.0.1"
-    """Interface services bind to."""
+    """Interface services bind to. Anything but a loopback address needs a token (or mutual TLS), or `insecure: true`."""
+    insecure: bool = False
+    """Serve without a token on a non-loopback address (a trusted lab network only): anyone who reaches a port may then call it."""
+    tls: TLSSection = TLSSection()
+    """TLS on every gRPC channel, mutual when ca_file and cert_file are both set."""
+    limits: LimitsSection = LimitsSection()
+    """Bounds every gRPC server enforces."""
     learner_address: str = "127.0.0.1:50051"
     """Learner control plane."""
     reward_address: str = "127.0.0.1:50052"
     """Reward server, or several replicas comma-separated (`a:50052,b:50052`): rollout servers spread Score calls and episodes over them."""
     token_env: str = "RLMESH_TOKEN"
-    """Environment variable holding the shared bearer token (unset: no auth)."""
+    """Environment variable holding the shared bearer token (unset: no auth, allowed only on loopback or with `insecure`)."""
     token_file: str | None = None
     """File holding the shared bearer token (takes precedence over token_env)."""
     rpc_timeout_s: float = Field(30.0, gt=0)
@@ -765,5 +822,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate_config(data)
 
 
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password in it replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}{REDACTED}@{host}"))
+
+
+def public_dict(config: RunConfig) -> dict[str, Any]:
+    """The config as written to run directories and printed: secrets never appear (a password in
+    queue.url is redacted; tokens and passwords are only ever read from files or the environment)."""
+    data = config.model_dump(mode="json")
+    data["queue"]["url"] = redact_url(data["queue"]["url"])
+    return data
+
+
 def dump_config(config: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    Path(path).write_text(yaml.safe_dump(public_dict(config), sort_keys=False))

@@ -76,15 +76,19 @@ def make_channel(
     token: str | None = None,
     default_timeout_s: float = 30.0,
     tls: TLSFiles | None = None,
+    peer: str | None = None,
 ) -> grpc.aio.Channel:
     """An aio channel to `address` (host:port); every call gets `default_timeout_s` unless it
-    passes its own `timeout=`."""
+    passes its own `timeout=`. Over TLS, `peer` (the tier dialled: learner, rollout, reward) is the
+    name the server's certificate must carry when `tls.server_name_is_tier`."""
     options = channel_options() + [
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _RETRY_SERVICE_CONFIG),
     ]
     interceptors = [_ClientInterceptor(token, default_timeout_s)]
     if tls is not None:
+        if peer is not None and tls.server_name_is_tier:
+            options.append(("grpc.ssl_target_name_override", peer))
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options, interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
@@ -109,11 +113,11 @@ _STARTING = Backoff(0.2, 2.0, multiplier=1.5)
 
 async def wait_for_serving(
     address: str, *, what: str, timeout_s: float, token: str | None = None, service: str = "",
-    alive: Callable[[], bool] | None = None,
+    alive: Callable[[], bool] | None = None, tls: TLSFiles | None = None, peer: str | None = None,
 ) -> None:
     """Poll the standard health service until SERVING; log while waiting; raise on timeout, or at
     once with ExitedWhileStarting when `alive()` says the server's process is gone."""
-    async with make_channel(address, token=token, default_timeout_s=2.0) as channel:
+    async with make_channel(address, token=token, default_timeout_s=2.0, tls=tls, peer=peer) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
         async def check() -> None:

@@ -7,15 +7,19 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from rlmesh.services.auth import TLSFiles, token_matches
+from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, peer_tier, token_matches
 from rlmesh.services.telemetry import extract_context, tracer
+
+if TYPE_CHECKING:
+    from rlmesh.services.config import NetworkSection
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +35,40 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-class _ServerInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without the bearer token (UNAUTHENTICATED) and runs each call in a span
-    continuing the caller's trace."""
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds a server enforces on every call; each refusal names its config key."""
 
-    def __init__(self, token: str | None) -> None:
-        self._token = token
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    message_key: str = "max_message_bytes"
+    max_concurrent_rpcs: int | None = None
+    max_metadata_bytes: int | None = None
+
+    @classmethod
+    def from_config(cls, network: NetworkSection, tier: str) -> ServerLimits:
+        limits = network.limits
+        mib = getattr(limits, f"{tier}_max_message_mib")
+        return cls(mib * 1024 * 1024, f"network.limits.{tier}_max_message_mib={mib}",
+                   limits.max_concurrent_rpcs, limits.max_metadata_kib * 1024)
+
+    def options(self) -> list[tuple[str, Any]]:
+        # gRPC's own check sits above ours, so that most oversized messages get our message, which
+        # names the config key; it still bounds what a call can make the server buffer.
+        options = channel_options(2 * self.max_message_bytes)
+        if self.max_metadata_bytes is not None:
+            options += [("grpc.max_metadata_size", self.max_metadata_bytes)]
+        return options
+
+
+class _ServerInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses a call before its request is parsed: without the bearer token (UNAUTHENTICATED), from a
+    tier the server's policy does not allow (PERMISSION_DENIED, mutual TLS only), past the server's
+    concurrent-call limit or message size (RESOURCE_EXHAUSTED). Runs each call in a span continuing
+    the caller's trace."""
+
+    def __init__(self, token: str | None, policy: Policy | None, limits: ServerLimits, mutual_tls: bool) -> None:
+        self._token, self._policy, self._limits, self._mutual = token, policy, limits, mutual_tls
+        self.num_inflight = 0
 
     async def intercept_service(
         self,
@@ -48,35 +80,80 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(_PUBLIC_PREFIXES):
             return handler
         authorized = self._token is None or token_matches(details.invocation_metadata, self._token)
+        tiers = self._policy.allowed(method) if (self._policy is not None and self._mutual) else ANY
         parent = extract_context(details.invocation_metadata)
-        return _wrap_handler(handler, method, authorized, parent)
+        return _wrap_handler(handler, method, self, authorized, tiers, parent)
+
+    async def admit(self, method: str, context: grpc.aio.ServicerContext, authorized: bool,
+                    tiers: frozenset[str] | None) -> None:
+        """Abort the call unless it may run; counts it in flight when it may."""
+        if not authorized:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: missing or wrong bearer token; send 'authorization: Bearer <token>' "
+                "with the shared token (network.token_file / $RLMESH_TOKEN)")
+        if tiers is not ANY:
+            tier = peer_tier(context)
+            if tier not in tiers:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} may be called only by {', '.join(sorted(tiers))}; the caller's certificate "
+                    f"names {tier!r} (its common name is its tier)")
+        limit = self._limits.max_concurrent_rpcs
+        if limit is not None and self.num_inflight >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{method}: {self.num_inflight} calls already in flight on this server, the limit "
+                f"network.limits.max_concurrent_rpcs={limit}; retry later or raise the limit")
+        self.num_inflight += 1
+
+    async def parse(self, raw: bytes, deserialize: Callable[[bytes], Any] | None, method: str,
+                    context: grpc.aio.ServicerContext) -> Any:
+        if len(raw) > self._limits.max_message_bytes:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{method}: request of {len(raw)} bytes is over the limit {self._limits.message_key} "
+                f"({self._limits.max_message_bytes} bytes); send smaller batches or raise the limit")
+        return deserialize(raw) if deserialize is not None else raw
 
 
-def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, authorized: bool, parent: Any):
-    async def deny(context: grpc.aio.ServicerContext) -> None:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"{method}: missing or wrong bearer token; send 'authorization: Bearer <token>' "
-            "with the shared token (network.token_file / $RLMESH_TOKEN)",
-        )
+def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, guard: _ServerInterceptor, authorized: bool,
+                  tiers: frozenset[str] | None, parent: Any):
+    """The handler behind the checks: it takes raw bytes and parses them only once the call is admitted."""
+    deserialize = handler.request_deserializer
+
+    async def request(raw_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not handler.request_streaming:
+            return await guard.parse(raw_or_iterator, deserialize, method, context)
+
+        async def parsed():
+            async for raw in raw_or_iterator:
+                yield await guard.parse(raw, deserialize, method, context)
+        return parsed()
 
     if handler.response_streaming:
         inner = handler.unary_stream or handler.stream_stream
 
-        async def behaviour(request_or_iterator: Any, context: grpc.aio.ServicerContext):
-            if not authorized:
-                await deny(context)
-            with tracer.start_as_current_span(method, context=parent):
-                async for item in inner(request_or_iterator, context):
-                    yield item
+        async def behaviour(raw_or_iterator: Any, context: grpc.aio.ServicerContext):
+            await guard.admit(method, context, authorized, tiers)
+            try:
+                req = await request(raw_or_iterator, context)
+                with tracer.start_as_current_span(method, context=parent):
+                    async for item in inner(req, context):
+                        yield item
+            finally:
+                guard.num_inflight -= 1
     else:
         inner = handler.unary_unary or handler.stream_unary
 
-        async def behaviour(request_or_iterator: Any, context: grpc.aio.ServicerContext):
-            if not authorized:
-                await deny(context)
-            with tracer.start_as_current_span(method, context=parent):
-                return await inner(request_or_iterator, context)
+        async def behaviour(raw_or_iterator: Any, context: grpc.aio.ServicerContext):
+            await guard.admit(method, context, authorized, tiers)
+            try:
+                req = await request(raw_or_iterator, context)
+                with tracer.start_as_current_span(method, context=parent):
+                    return await inner(req, context)
+            finally:
+                guard.num_inflight -= 1
 
     factory = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -84,11 +161,8 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, authorized: bool,
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(handler.request_streaming, handler.response_streaming)]
-    return factory(
-        behaviour,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    # No request deserializer: the request arrives as bytes and is parsed only once admitted.
+    return factory(behaviour, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 class Server:
@@ -134,12 +208,20 @@ async def start_server(
     token: str | None = None,
     tls: TLSFiles | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    limits: ServerLimits | None = None,
+    policy: Policy | None = None,
+    insecure: bool = False,
 ) -> Server:
     """Start a server hosting `services` as (add_XServicer_to_server, servicer, full service name).
-    Port 0 picks a free port; the bound port is `Server.port`."""
-    server = grpc.aio.server(
-        interceptors=[_ServerInterceptor(token)], options=channel_options(max_message_bytes)
-    )
+    Port 0 picks a free port; the bound port is `Server.port`. Refuses (ValueError) to serve beyond
+    loopback without a token or mutual TLS unless `insecure`; `policy` says which tiers may call
+    what under mutual TLS; `limits` (default: only `max_message_bytes`) bound every call."""
+    check_can_serve(host, token=token, tls=tls, insecure=insecure)
+    limits = limits or ServerLimits(max_message_bytes)
+    guard = _ServerInterceptor(token, policy, limits, mutual_tls=tls is not None and tls.mutual)
+    # gRPC's own concurrency cap sits above ours (health probes count there too) as a backstop.
+    backstop = None if limits.max_concurrent_rpcs is None else limits.max_concurrent_rpcs + 64
+    server = grpc.aio.server(interceptors=[guard], options=limits.options(), maximum_concurrent_rpcs=backstop)
     names = []
     for add, servicer, name in services:
         add(servicer, server)

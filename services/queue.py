@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlmesh.services.config import REDACTED
 from rlmesh.services.retry import Backoff, describe_error, retry
 
 if TYPE_CHECKING:
@@ -80,13 +84,43 @@ class QueueDepth:
     """Not yet delivered to any consumer."""
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(url: str, *, username: str | None = None, password: str | None = None,
+            ssl: dict[str, str] | None = None) -> aioredis.Redis:
+    """A client for `url`; `ssl` holds redis-py's ssl_* file options for a rediss:// URL."""
     if url == "embedded":
         raise ValueError("queue.url is 'embedded': only `rlmesh up` starts an embedded queue server; a service run "
                          "on its own needs queue.url=redis://HOST:PORT of a running Valkey/Redis")
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"queue.url={url!r} is not a redis:// (or rediss://, unix://) URL")
-    return aioredis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=5, health_check_interval=30)
+    if urlsplit(url).password == REDACTED:
+        raise ValueError("queue.url holds a redacted password ('***'); give the password with queue.password_file "
+                         "or the variable named by queue.password_env")
+    extra = dict(ssl or {}) if url.startswith("rediss://") else {}
+    return aioredis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=5, health_check_interval=30,
+                                   username=username, password=password, **extra)
+
+
+def queue_password(section: QueueSection, tier: str) -> str | None:
+    """The queue password from queue.password_file (`{tier}` filled in), else queue.password_env."""
+    if section.password_file:
+        path = Path(section.password_file.replace("{tier}", tier))
+        if not path.is_file():
+            raise ValueError(f"queue.password_file={str(path)!r} does not exist; create it or unset it")
+        password = path.read_text().strip()
+        if not password:
+            raise ValueError(f"queue.password_file={str(path)!r} is empty")
+        return password
+    return os.environ.get(section.password_env) or None
+
+
+def connect_queue(section: QueueSection, tier: str) -> aioredis.Redis:
+    """A client for the run's queue as `tier` (learner or rollout): its ACL user and password, and
+    TLS files for a rediss:// URL, all from the queue section."""
+    files = {"ssl_ca_certs": section.tls_ca_file, "ssl_certfile": section.tls_cert_file,
+             "ssl_keyfile": section.tls_key_file}
+    ssl = {k: v.replace("{tier}", tier) for k, v in files.items() if v}
+    username = section.username.replace("{tier}", tier) if section.username else None
+    return connect(section.url, username=username, password=queue_password(section, tier), ssl=ssl)
 
 
 def run_streams(client: aioredis.Redis, cfg: QueueSection) -> tuple[StreamQueue, StreamQueue]:
@@ -234,6 +268,10 @@ class StreamQueue:
         calls report the outage)."""
         import redis
 
+        # The same credentials as this queue's own client (a password-protected queue refuses others).
+        own = self.client.connection_pool.connection_kwargs
+        options = {k: own[k] for k in ("username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+                   if own.get(k)} | options
         client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, **options)
 
         def refresh(consumer: str, entry_ids: list[str]) -> None:

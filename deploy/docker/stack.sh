@@ -10,8 +10,13 @@
 # Environment: RLMESH_DOCKER_DIR (where a dockerd started here keeps its state, default
 # /tmp/rlmesh-docker), PYTHON (the pip that builds the wheelhouse, default .venv/bin/python),
 # COMPOSE_PROJECT_NAME (default rlmesh), and any compose variable (RLMESH_TOKEN, RLMESH_IMAGE...).
+# The compose file requires RLMESH_TOKEN and RLMESH_QUEUE_PASSWORD: when unset, `up` makes random
+# ones (kept only in the containers' environment; `down` needs none).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+random_secret() { od -An -N32 -tx1 /dev/urandom | tr -d ' \n'; }
+export RLMESH_TOKEN=${RLMESH_TOKEN:-$(random_secret)}
+export RLMESH_QUEUE_PASSWORD=${RLMESH_QUEUE_PASSWORD:-$(random_secret)}
 
 ENGINE_DIR=${RLMESH_DOCKER_DIR:-/tmp/rlmesh-docker}
 PYTHON=${PYTHON:-.venv/bin/python}

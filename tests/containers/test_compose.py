@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,8 +38,10 @@ class Stack:
 
     def __init__(self, config_dir: Path) -> None:
         engine = subprocess.run([str(STACK), "engine"], capture_output=True, text=True, check=True).stdout
+        # The compose file requires both secrets; each stack gets its own.
         self.env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "RLMESH_CONFIG_DIR": str(config_dir),
-                    "RLMESH_VALKEY_IMAGE": "rlmesh/valkey:bookworm"}
+                    "RLMESH_VALKEY_IMAGE": "rlmesh/valkey:bookworm", "RLMESH_TOKEN": secrets.token_hex(32),
+                    "RLMESH_QUEUE_PASSWORD": secrets.token_hex(32)}
         for line in engine.splitlines():
             if line.startswith("export DOCKER_HOST="):
                 self.env["DOCKER_HOST"] = line.split("=", 1)[1]
@@ -136,6 +139,10 @@ def run(tmp_path_factory):
         learner = stack.containers("learner")[0]
         _wait(lambda: len(stack.train_rows(learner)) >= 4, 900, "four training steps", stack)
         events["hardening"] = _hardening(stack)
+        # A stranger on the compose network: valkey-cli without the password (its variables unset).
+        events["valkey_without_password"] = stack.docker(
+            "exec", stack.containers("valkey")[0], "sh", "-c",
+            "env -u VALKEYCLI_AUTH -u REDISCLI_AUTH valkey-cli -h 127.0.0.1 XLEN rlmesh:prompts 2>&1", check=False)
         rollout, reward = stack.containers("rollout", every=False)[0], stack.containers("reward")[0]
         for name, container in (("rollout", rollout), ("reward", reward)):
             stack.crash(container)
@@ -224,3 +231,7 @@ def test_every_container_runs_as_a_non_root_user_on_a_read_only_root(run):
         assert 0 not in h["uids"], f"{name} runs as root: {h}"
         assert h["read_only"] and h["root_write_refused"], f"{name} can write its root filesystem: {h}"
         assert h["no_new_privs"] and "ALL" in h["cap_drop"], f"{name} keeps capabilities or may escalate: {h}"
+
+
+def test_valkey_refuses_a_client_without_the_password(run):
+    assert "NOAUTH" in run["valkey_without_password"], run["valkey_without_password"]

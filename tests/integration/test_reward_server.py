@@ -28,7 +28,8 @@ async def _serve(service: RewardService):
 @pytest_asyncio.fixture(loop_scope="session")
 async def servers():
     remote = await _serve(RewardService({"length": f"{FNS}:length_reward"}))
-    main = await _serve(RewardService({"raises": f"{FNS}:raising_reward", "sleepy": f"{FNS}:sleepy_reward"}))
+    main = await _serve(RewardService({"raises": f"{FNS}:raising_reward", "sleepy": f"{FNS}:sleepy_reward"},
+                                      allow_register=True))
     yield main, remote
     await main.stop(0)
     await remote.stop(0)
@@ -144,7 +145,8 @@ async def mesh():
                                 "rlmesh.v1.RewardService")], port=0)
     front_service = RewardService({"sleepy": f"{FNS}:sleepy_reward", "nan": f"{FNS}:nan_reward",
                                    "slow_env": f"{FNS}:SlowEnv"}, builtin=["arithmetic"], replica_id="front",
-                                  env_timeout_s=0.5, env_max_concurrency=2, remote_timeout_s=1.0)
+                                  env_timeout_s=0.5, env_max_concurrency=2, remote_timeout_s=1.0,
+                                  allow_register=True)
     front = await _serve(front_service)
     await front_service.register_remote("calculator", f"127.0.0.1:{envs.port}")
     await front_service.register_remote("liar", f"127.0.0.1:{liar.port}")

@@ -214,3 +214,35 @@ def test_network_policies_deny_by_default_and_allow_exactly_the_flows_each_port_
     assert _flow(policies, "keda-operator", "rlmesh-valkey", 6379, src_ns="keda"), "KEDA reads the stream lag"
     for app in (*APPS, "rlmesh-prepare"):
         assert _allowed(policies, "out", {"app": app}, {"k8s-app": "kube-dns"}, "kube-system", 53), f"{app} resolves names"
+
+
+def test_compose_requires_the_token_and_the_queue_password():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    env = compose["x-rlmesh"]["environment"]
+    for name in ("RLMESH_TOKEN", "RLMESH_QUEUE_PASSWORD"):
+        assert env[name].startswith(f"${{{name}:?"), f"{name} must be required (no empty default): {env[name]}"
+    valkey = compose["services"]["valkey"]
+    command = valkey["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${RLMESH_QUEUE_PASSWORD:?")
+    assert valkey["environment"]["VALKEYCLI_AUTH"].startswith("${RLMESH_QUEUE_PASSWORD:?")  # the healthcheck logs in
+
+
+def test_k8s_secrets_are_required_and_valkey_needs_its_password(rendered):
+    refs = {}
+    for doc in rendered:
+        for c in _containers(doc):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert not ref.get("optional"), f"{doc['metadata']['name']}: secret {ref} must not be optional"
+                    refs.setdefault(doc["metadata"]["name"], set()).add(e["name"])
+    for tier in ("rlmesh-learner", "rlmesh-rollout", "rlmesh-reward"):
+        assert "RLMESH_TOKEN" in refs[tier], tier
+    for tier in ("rlmesh-learner", "rlmesh-rollout"):
+        assert "RLMESH_QUEUE_PASSWORD" in refs[tier], tier
+    assert "RLMESH_QUEUE_PASSWORD" not in refs["rlmesh-reward"]  # the reward tier never touches the queue
+    [valkey] = [c for d in rendered if d["metadata"]["name"] == "rlmesh-valkey" for c in _containers(d)]
+    assert valkey["args"][valkey["args"].index("--requirepass") + 1] == "$(RLMESH_QUEUE_PASSWORD)"
+    scaler = next(d for d in rendered if d["kind"] == "ScaledObject")
+    auth = next(d for d in rendered if d["kind"] == "TriggerAuthentication")
+    assert scaler["spec"]["triggers"][0]["authenticationRef"]["name"] == auth["metadata"]["name"]
