@@ -45,14 +45,17 @@ _IN_SERVICE = "RLMESH_API_SERVICE"
 
 
 class StopTraining(Exception):
-    """Raise in a callback to end the run early: the learner finishes the step it is on, evaluates,
-    writes a checkpoint at that step and summary.json, and every service stops."""
+    """Raise in a callback to end the run early (returning False does the same). From
+    `on_step_end(N, ...)` the run ends at step N exactly; from `on_eval` at the step the learner has
+    reached. The learner then runs its final evaluation, writes a checkpoint at that step and
+    summary.json, and every service stops."""
 
 
 class Callback:
     """Base class for `train` callbacks; override either method. Both run in the caller's process
-    as the run's metrics arrive (a step's row shortly after the learner wrote it). Returning False,
-    or raising StopTraining, ends the run early (see StopTraining); any other exception stops every
+    as the run's metrics arrive. The learner starts step N+1 only once `on_step_end(N, ...)` has
+    returned (generation goes on meanwhile), so keep them quick. Returning False, or raising
+    StopTraining, ends the run at that step (see StopTraining); any other exception stops every
     service and propagates out of `train`."""
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> bool | None:
@@ -169,14 +172,17 @@ def _check_callbacks(callbacks: Iterable[Any]) -> list[Any]:
 
 
 class _Dispatcher:
-    """Feeds metrics.jsonl rows to the callbacks; the first stop (False or StopTraining) writes the
-    run's stop request."""
+    """Feeds metrics.jsonl rows to the callbacks. The first stop (False or StopTraining) writes the
+    run's stop request; after a step's row, the learner is told the callbacks have seen that step
+    (it waits for that before the next step, so a stop lands at exactly the step seen)."""
 
     def __init__(self, callbacks: list[Any], run_dir: Path) -> None:
         self.callbacks, self.run_dir = callbacks, run_dir
         self.stop_reason: str | None = None
 
     def __call__(self, row: dict[str, Any]) -> None:
+        from rlmesh.learner.stop import mark_seen, request_stop
+
         kind = row.get("kind")
         method = {"train": "on_step_end", "eval": "on_eval"}.get(kind)
         if method is None:
@@ -192,10 +198,10 @@ class _Dispatcher:
             except StopTraining as err:
                 stop, reason = True, f"{where} raised StopTraining" + (f": {err}" if str(err) else "")
             if stop and self.stop_reason is None:
-                from rlmesh.learner.stop import request_stop
-
                 self.stop_reason = reason
                 request_stop(self.run_dir, reason)
+        if kind == "train":  # after the stop request: the learner reads both once this is written
+            mark_seen(self.run_dir, row["version"])
 
 
 def train(config: ConfigLike = None, *, reward_fn: Callable[..., Any] | str | None = None,

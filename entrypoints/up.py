@@ -116,7 +116,7 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
            env: dict[str, str] | None = None) -> int:
     """`rlmesh up`; also the body of `rlmesh.train`, which passes `on_row` (called with every new
     metrics.jsonl row, in order, as the run goes) and `env` (extra environment of every service)."""
-    from rlmesh.learner.stop import clear_stop_request
+    from rlmesh.learner.stop import clear_requests, mark_seen
     from rlmesh.services.telemetry import setup_logging
 
     setup_logging("up", config.logging.level)
@@ -124,7 +124,9 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     dump_config(config, run_dir / "config.yaml")
-    clear_stop_request(run_dir)
+    clear_requests(run_dir)
+    if on_row is not None:
+        mark_seen(run_dir, 0)  # the learner waits for the callbacks to see each step before the next
     print(f"rlmesh up: run directory {run_dir}", flush=True)
     mesh = Mesh(run_dir, env)
     interrupted = False
@@ -310,6 +312,24 @@ def tqdm_write(text: str) -> None:
     tqdm.write(text, file=sys.stderr)
 
 
+class _Tail:
+    """The rows appended to a JSONL file since the last call (a line being written waits for the next)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def rows(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
 def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
            on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
     from tqdm import tqdm
@@ -318,9 +338,9 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
 
     bar = tqdm(total=config.learner.num_steps, desc="GRPO", unit="step", disable=not config.logging.progress,
                dynamic_ncols=True)
-    seen = 0
-    # Callbacks see rows sooner, so a stop they ask for lands nearer the step they saw.
-    poll_s = 0.2 if on_row is not None else 1.0
+    metrics = _Tail(run_dir / "metrics.jsonl")
+    # The learner waits for callbacks to see each step: read often then.
+    poll_s = 0.05 if on_row is not None else 1.0
     while True:
         # Read after checking for the learner's exit, so the rows it wrote last are not missed.
         done = learner.proc.poll() == 0
@@ -331,8 +351,7 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
                   f"restart(s) (run.max_restarts={config.run.max_restarts}). Last lines of {bad.log_path}:\n"
                   f"{bad.tail()}", file=sys.stderr, flush=True)
             return 1
-        rows = read_metrics(run_dir / "metrics.jsonl")
-        for r in rows[seen:]:
+        for r in metrics.rows():
             if r.get("kind") == "train":
                 bar.update(1)
                 bar.set_postfix(reward=f"{r['reward_mean']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
@@ -341,7 +360,6 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
                 tqdm.write(f"held-out accuracy at version {r['version']}: {r['accuracy']:.3f}")
             if on_row is not None:
                 on_row(r)
-        seen = len(rows)
         if done:
             bar.close()
             summary_path = run_dir / "summary.json"

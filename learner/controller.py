@@ -25,7 +25,7 @@ from rlmesh.learner.data import load_dataset
 from rlmesh.learner.evaluator import Arrivals, Evaluator, episode_stats
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.membership import LearnerService, Membership
-from rlmesh.learner.stop import stop_requested
+from rlmesh.learner.stop import stop_requested, wait_until_seen
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from rlmesh.services.auth import TLSFiles, load_token
 from rlmesh.services.config import HFModelSection, RunConfig
@@ -279,7 +279,9 @@ class Controller:
             # Leftovers from the last step are one version older now: re-check them.
             ready = [(e, g) for e, g in ready if not await self.admission.drop_if_stale(e, g, self.version)]
             ready = await self._fill(ready)
-            # A stop request (rlmesh.train's callbacks) ends the run at the last finished step.
+            # rlmesh.train's callbacks, when attached, have seen the last step before the next one
+            # starts; a stop request they made ends the run at that step.
+            await wait_until_seen(self.run_dir, self.version)
             if (reason := stop_requested(self.run_dir)) is not None:
                 log.info("stop requested (%s): ending the run at version %d", reason, self.version)
                 break

@@ -18,7 +18,8 @@ import pytest
 import rlmesh
 from rlmesh.entrypoints.api import (REWARD_FN_ENV, Callback, StopTraining, _Dispatcher, resolve_config,
                                     reward_fn_import_path)
-from rlmesh.learner.stop import STOP_REQUEST, clear_stop_request, request_stop, stop_requested
+from rlmesh.learner.stop import (CALLBACKS_SEEN, STOP_REQUEST, clear_requests, mark_seen, request_stop, stop_requested,
+                                 wait_until_seen)
 from rlmesh.services.config import ConfigError, RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,6 +195,7 @@ def test_rows_reach_callbacks_and_the_first_stop_is_requested(tmp_path, how, rea
     assert rec.steps == other.steps == [1, 2, 3]
     assert rec.evals == other.evals == [(0, 0.5), (3, 0.9)]
     assert dispatch.stop_reason == reason and stop_requested(tmp_path) == reason
+    assert (tmp_path / CALLBACKS_SEEN).read_text() == "3"  # every train row acknowledged
 
 
 def test_a_callback_error_other_than_stop_propagates(tmp_path):
@@ -216,25 +218,47 @@ def test_an_object_without_hooks_is_not_a_callback():
 def test_stop_request_round_trip(tmp_path):
     assert stop_requested(tmp_path) is None
     request_stop(tmp_path, "because\n")
+    mark_seen(tmp_path, 3)
     assert (tmp_path / STOP_REQUEST).is_file() and stop_requested(tmp_path) == "because"
-    clear_stop_request(tmp_path)
-    assert stop_requested(tmp_path) is None
+    clear_requests(tmp_path)
+    assert stop_requested(tmp_path) is None and not (tmp_path / CALLBACKS_SEEN).exists()
 
 
-# A stand-in learner (a real process) for the launcher's watch loop: writes a train row per step
-# until the stop request appears, then its final eval row, summary.json, and exits 0 at once.
+async def test_the_learner_waits_for_attached_callbacks_only(tmp_path):
+    import asyncio
+
+    await asyncio.wait_for(wait_until_seen(tmp_path, 5), 1)  # none attached: no wait
+    mark_seen(tmp_path, 4)
+    waiting = asyncio.ensure_future(wait_until_seen(tmp_path, 5))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    mark_seen(tmp_path, 5)
+    await asyncio.wait_for(waiting, 1)
+    # Callbacks that fall behind (a hung one, a launcher gone) are not waited for forever.
+    t0 = time.monotonic()
+    await wait_until_seen(tmp_path, 6, timeout_s=0.2)
+    assert time.monotonic() - t0 < 1 and not (tmp_path / CALLBACKS_SEEN).exists()
+
+
+# A stand-in learner (a real process) for the launcher's watch loop, keeping the real learner's
+# protocol: before each step it waits for attached callbacks to have seen the last one, and stops
+# at a stop request; then writes its final eval row and summary.json, and exits 0 at once.
 FAKE_LEARNER = '''
-import json, sys, time
+import asyncio, json, sys, time
 from pathlib import Path
+from rlmesh.learner.stop import stop_requested, wait_until_seen
 run_dir = Path(sys.argv[1])
 metrics = (run_dir / "metrics.jsonl").open("a", buffering=1)
 metrics.write(json.dumps({"kind": "eval", "version": 0, "accuracy": 0.25}) + "\\n")
 version = 0
-while version < 200 and not (run_dir / "stop_request").exists():
+while version < 200:
+    asyncio.run(wait_until_seen(run_dir, version))
+    if stop_requested(run_dir):
+        break
     version += 1
     metrics.write(json.dumps({"kind": "train", "version": version, "reward_mean": 0.5, "tokens_per_s": 1.0,
                               "staleness_max": 0}) + "\\n")
-    time.sleep(0.05)
+    time.sleep(0.01)
 metrics.write(json.dumps({"kind": "eval", "version": version, "accuracy": 0.75}) + "\\n")
 (run_dir / "summary.json").write_text(json.dumps({
     "num_steps": version, "held_out_accuracy_before": 0.25, "held_out_accuracy_after": 0.75,
@@ -245,6 +269,7 @@ metrics.write(json.dumps({"kind": "eval", "version": version, "accuracy": 0.75})
 
 def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(tmp_path):
     from rlmesh.entrypoints.up import Mesh, Service, _watch
+    from rlmesh.learner.stop import mark_seen
 
     (tmp_path / "learner.py").write_text(FAKE_LEARNER)
     run_dir = tmp_path / "run"
@@ -254,6 +279,7 @@ def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(
                                                   stdout=log_path.open("wb"), stderr=subprocess.STDOUT),
                       log_path, argv=[])
     mesh.services.append(learner)
+    mark_seen(run_dir, 0)  # as run_up does when callbacks are given
     rec = Recorder(stop_at=5)
     cfg = resolve_config(None, logging__progress=False, learner__num_steps=200)
     t0 = time.monotonic()
@@ -262,11 +288,10 @@ def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(
     finally:
         mesh.stop()
     assert time.monotonic() - t0 < 20
-    last = json.loads((run_dir / "summary.json").read_text())["num_steps"]
-    # The learner runs on while the callback reacts; it stopped soon after, and every row it wrote,
-    # the final evaluation included, reached the callback in order.
-    assert 5 <= last < 200 and rec.steps == list(range(1, last + 1))
-    assert rec.evals == [(0, 0.25), (last, 0.75)]
+    # The learner stopped at exactly the step the callback stopped on, and every row it wrote, the
+    # final evaluation included, reached the callback in order.
+    assert json.loads((run_dir / "summary.json").read_text())["num_steps"] == 5
+    assert rec.steps == [1, 2, 3, 4, 5] and rec.evals == [(0, 0.25), (5, 0.75)]
 
 
 # --- the package root --------------------------------------------------------------------------
