@@ -13,6 +13,7 @@ _EXAMPLES = """examples:
   rlmesh config -c examples/arithmetic_grpo.yaml learner.lr=1e-4   # print the resolved config
   rlmesh up -c examples/arithmetic_grpo.yaml learner.num_ranks=2    # learner as a 2-rank torchrun job
   rlmesh export runs/arithmetic-grpo-... --output final_hf        # newest checkpoint -> HF model dir
+  rlmesh eval -c examples/gsm8k_sample_eval.yaml --model runs/arithmetic-grpo-...:40   # greedy + pass@k
 """
 
 
@@ -69,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config_args(cfg)
 
+    evaluate = sub.add_parser("eval", help="held-out greedy accuracy and pass@k (learner.eval_pass_k) of a model, "
+                                           "through a reward and a rollout server")
+    _add_config_args(evaluate)
+    evaluate.add_argument("--model", required=True, metavar="DIR|RUN_DIR[:STEP]",
+                          help="an HF model directory, or a run directory (its newest checkpoint, or STEP's)")
+    evaluate.add_argument("--output", default=None, help="directory for eval.json and logs (default: "
+                                                         "<run.output_dir>/eval-<time>)")
+    evaluate.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the answers")
+
     export = sub.add_parser("export", help="write a Hugging Face model directory from a run's checkpoint")
     export.add_argument("run_dir", metavar="RUN_DIR", help="run directory (holds checkpoints/step_*)")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
@@ -117,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"rlmesh {args.command}: {problem}", file=sys.stderr)
             return 2
+    if args.command == "eval":
+        from rlmesh.entrypoints.evaluate import run_eval
+
+        return run_eval(config, args)
     if args.command == "eval":
         from rlmesh.entrypoints.evaluate import run_eval
 

@@ -467,6 +467,19 @@ class LearnerSection(Section):
     answered; newer than `version` if a weight update reached the rollout tier first). false: the
     learner waits for each evaluation, and every answer comes from exactly `version`. The first and
     last evaluations always wait."""
+    eval_pass_k: list[int] = []
+    """Also report pass@k for these k (e.g. [1, 4, 8]), per environment: every held-out prompt gets `eval_num_samples` completions sampled at rollout.temperature beside its greedy one (empty: greedy accuracy only)."""
+    eval_num_samples: int | None = Field(None, ge=1)
+    """Completions sampled per held-out prompt for pass@k (unset: the largest k); must be at least every k."""
+
+    @model_validator(mode="after")
+    def _pass_k_fits(self) -> LearnerSection:
+        n = self.eval_num_samples or max(self.eval_pass_k, default=1)
+        bad = [k for k in self.eval_pass_k if not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"learner.eval_pass_k={self.eval_pass_k}: every k must be in [1, eval_num_samples={n}] "
+                             f"(got {bad}); raise learner.eval_num_samples or drop those k")
+        return self
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the learner process."""
     cpu_cores: str = Field("auto", pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")

@@ -1,0 +1,166 @@
+"""`rlmesh eval -c CONFIG --model DIR|RUN_DIR[:STEP]`: held-out greedy accuracy and pass@k of one
+model, through the real tiers. It starts what `rlmesh up` starts for a run — the embedded Valkey,
+the reward server and one rollout server loading the model — and, in place of the learner, a
+control plane that admits the rollout server at version 0 (the weights it loaded). The eval
+prompts go through the prompt stream exactly as the learner's evaluations do (the same
+`Evaluator`: a greedy completion per prompt, and `learner.eval_num_samples` sampled ones when
+`learner.eval_pass_k` is set), so multi-turn environments and remote ones work as in training.
+Prints a table per environment and writes `eval.json` to the output directory."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+from rlmesh.services.config import HFModelSection, RunConfig, dump_config
+
+log = logging.getLogger("rlmesh.eval")
+
+
+def resolve_model(spec: str, workdir: Path) -> Path:
+    """An HF model directory from `DIR` (config.json in it) or `RUN_DIR[:STEP]` (a run's checkpoint:
+    its `model/` when written, else exported from the DCP shards into `workdir`)."""
+    from rlmesh.learner.train.checkpoint import export_hf, find_checkpoint
+
+    path, _, step = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
+    root = Path(path)
+    if (root / "config.json").is_file():
+        return root
+    if not (root / "checkpoints").is_dir():
+        raise ValueError(f"--model {spec!r} is neither an HF model directory (config.json) nor a run directory "
+                         "(checkpoints/step_*); give one, with :STEP for a run's checkpoint other than the newest")
+    if step and not step.isdigit():
+        raise ValueError(f"--model {spec!r}: the step after ':' must be a number, got {step!r}")
+    checkpoint = find_checkpoint(root, int(step) if step else None)
+    if (checkpoint / "model" / "config.json").is_file():
+        return checkpoint / "model"
+    return export_hf(checkpoint, workdir / f"model_{checkpoint.name}")
+
+
+class _Reader:
+    """The trajectory stream read as the learner's evaluator expects: decoded groups, bad entries acked."""
+
+    def __init__(self, trajectories) -> None:
+        self.trajectories = trajectories
+
+    async def read(self, version: int) -> list:
+        from google.protobuf.message import DecodeError
+
+        from rlmesh.v1 import common_pb2
+
+        out = []
+        for entry in await self.trajectories.read("learner", count=256, block_ms=500):
+            try:
+                out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
+            except DecodeError:
+                await self.trajectories.ack(entry.id)
+        return out
+
+
+class _Records:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.rows.append(record)
+
+
+async def _evaluate(config: RunConfig, port: int, timeout_s: float) -> dict:
+    """Serve the stand-in control plane on `port`, wait for the rollout server, run one evaluation."""
+    from rlmesh.learner.data import load_dataset
+    from rlmesh.learner.evaluator import Evaluator
+    from rlmesh.learner.issuer import PromptIssuer
+    from rlmesh.learner.membership import LearnerService, Membership
+    from rlmesh.services.auth import TLSFiles, load_token
+    from rlmesh.services.grpc_server import start_server
+    from rlmesh.services.queue import connect_queue, run_streams
+    from rlmesh.v1 import learner_pb2, learner_pb2_grpc
+
+    net = config.network
+    token = load_token(net.token_file, net.token_env)
+    tls = TLSFiles.from_config(net, "learner")
+    run_id = f"eval-{uuid.uuid4().hex[:8]}"
+    prompts, trajectories = run_streams(connect_queue(config.queue, "learner"), config.queue)
+    await prompts.ensure_group()
+    await trajectories.ensure_group()
+    membership = Membership(token=token, rpc_timeout_s=net.rpc_timeout_s, tls=tls)
+    service = LearnerService(membership, run_id, lambda: learner_pb2.LearnerStatusResponse(run_id=run_id),
+                             lambda: 0)
+    name = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
+    server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, name)],
+                                host=net.host, port=port, token=token, tls=tls, insecure=net.insecure)
+    try:
+        _, eval_set = load_dataset(config.data, config.run.seed)
+        issuer = PromptIssuer(prompts, run_id, [], group_size=1, groups_per_step=1, max_staleness=0)
+        records = _Records()
+        evaluator = Evaluator(eval_set, issuer, trajectories, _Reader(trajectories), records,
+                              check=lambda group, version: "", timeout_s=timeout_s,
+                              pass_k=config.learner.eval_pass_k, num_samples=config.learner.eval_num_samples)
+        t0 = time.monotonic()
+        while not membership.generators:
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"no rollout server registered within {timeout_s:.0f}s; see logs/rollout-0.log")
+            await asyncio.sleep(0.5)
+        return await evaluator.run(0, [])
+    finally:
+        await server.stop(1.0)
+
+
+def table(record: dict) -> str:
+    """Greedy accuracy and pass@k per environment (and over all), as aligned text."""
+    ks = sorted(int(k) for k in next(iter(record.get("pass_at_k", {}).values()), {}))
+    header = ["environment", "greedy", *(f"pass@{k}" for k in ks)]
+    by_env = record.get("accuracy_by_env") or {}
+    rows = [[env, f"{acc:.3f}", *(f"{record['pass_at_k'].get(env, {}).get(str(k), float('nan')):.3f}" for k in ks)]
+            for env, acc in sorted(by_env.items())]
+    rows.append(["all", f"{record['accuracy']:.3f}", *(f"{record[f'pass@{k}']:.3f}" for k in ks)])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in [header, *rows])
+
+
+def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
+    from rlmesh.entrypoints.up import Mesh, _pass_secrets, _wait_serving
+    from rlmesh.services.ports import free_port
+
+    output = Path(args.output or Path(config.run.output_dir) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    output.mkdir(parents=True, exist_ok=True)
+    try:
+        model = resolve_model(args.model, output)
+    except ValueError as err:
+        raise SystemExit(f"rlmesh eval: {err}") from None
+    resolved = config.model_copy(deep=True)
+    resolved.model = HFModelSection(path=str(model.resolve()))
+    resolved.sft.num_steps = 0
+    mesh = Mesh(output)
+    try:
+        dump_config(config, output / "config.yaml")
+        _pass_secrets(mesh, config, resolved, output)
+        os.environ.update(mesh.env or {})  # this process is the stand-in learner: same token and queue password
+        learner_port, reward_port = free_port(), free_port()
+        host = config.network.host
+        resolved.network.learner_address = f"{host}:{learner_port}"
+        resolved.network.reward_address = f"{host}:{reward_port}"
+        resolved.reward.env_processes = []
+        dump_config(resolved, output / "config.resolved.yaml")
+        base = ["-c", str(output / "config.resolved.yaml")]
+        mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
+        mesh.spawn("rollout-0", ["rollout", *base, "--port", "0", "--generator-id", "rollout-0"])
+        _wait_serving(mesh, config.network, {"reward": reward_port})
+        print(f"rlmesh eval: {model} on {len(config.learner.eval_pass_k) and 'greedy + pass@k' or 'greedy'}; "
+              "rollout server loading vLLM", flush=True)
+        record = asyncio.run(_evaluate(resolved, learner_port, args.timeout))
+    finally:
+        mesh.stop()
+    record = {**record, "model": str(model), "config": str(args.config)}
+    (output / "eval.json").write_text(json.dumps(record, indent=2))
+    if "accuracy_by_env" not in record:
+        record["accuracy_by_env"] = {}
+    print(table(record))
+    print(f"rlmesh eval: {record['num_prompts']} held-out prompts; written to {output / 'eval.json'}")
+    return 0
