@@ -26,6 +26,7 @@ from rlmesh.learner.evaluator import Arrivals, Evaluator, episode_stats
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.membership import LearnerService, Membership
 from rlmesh.learner.stop import stop_requested, wait_until_seen
+from rlmesh.learner.validation import Bounds
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from rlmesh.services.auth import TLSFiles, load_token
 from rlmesh.services.config import HFModelSection, RunConfig
@@ -109,12 +110,30 @@ class Controller:
         # Which trajectory groups each version was trained on: the audit trail for exactly-once.
         self.trained_log = MetricsWriter(self.run_dir, "trained_groups.jsonl")
         self.dropped_log = MetricsWriter(self.run_dir, "dropped_groups.jsonl")
+        self._note_run_id()
         self.admission = Admission(self.trajectories, self.dropped_log, max_staleness=self.k,
                                    drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
-                                   on_returned=self.issuer.returned)
+                                   on_returned=self.issuer.returned, issued=self.issuer.issued,
+                                   bounds=self._bounds())
         self.evaluator = Evaluator(eval_set, self.issuer, self.trajectories, self._read, self.sync_generators,
-                                   self._eval_record)
+                                   self._eval_record, check=lambda group: self.admission.check(group, self.version))
         await self._resume()
+
+    def _bounds(self) -> Bounds:
+        from transformers import AutoConfig
+
+        rollout = self.config.rollout
+        return Bounds(vocab_size=AutoConfig.from_pretrained(self.model_path).vocab_size,
+                      max_abs_reward=self.config.reward.max_abs_reward,
+                      max_seq_len=max(rollout.max_model_len, rollout.episode.max_total_tokens or 0))
+
+    def _note_run_id(self) -> None:
+        """Record this process's run id in the run directory; groups issued under the ids of earlier
+        processes of this run (before a restart) are still this run's work."""
+        path = self.run_dir / "learner_run_ids.txt"
+        self.issuer.earlier_run_ids = set(path.read_text().split()) if path.exists() else set()
+        with path.open("a") as f:
+            f.write(self.run_id + "\n")
 
     async def _resume(self) -> None:
         """Continue from the newest durable checkpoint, if any: restore weights, optimizer, RNG,
@@ -202,7 +221,9 @@ class Controller:
                 out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
             except DecodeError as err:
                 log.error("trajectory entry %s is not a TrajectoryGroup (%s); dropped", entry.id, err)
-                self.admission.num_dropped_other += 1
+                self.admission.num_dropped_invalid += 1
+                self.dropped_log.write({"entry_id": entry.id, "group_id": entry.key[:200], "invalid": True,
+                                        "reason": f"not a TrajectoryGroup ({err})"})
                 await self.trajectories.ack(entry.id)
         return out
 
@@ -233,6 +254,7 @@ class Controller:
                  "lr_schedule": {"kind": self.config.learner.lr_schedule, "next_lr": self.learning_rate()},
                  "first_eval": self.first_eval,
                  "counters": {"num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
+                              "num_dropped_invalid": a.num_dropped_invalid,
                               "num_duplicates": a.num_duplicates}}
         path = await self._torch(save_checkpoint, self.run_dir / "checkpoints", self.version, self.trainer,
                                  self.model_path, state, self.config.checkpoint.keep_last,
@@ -332,6 +354,7 @@ class Controller:
             "tokens_per_s": num_tokens / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
             "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages), "max_staleness": self.k,
             "num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
+            "num_dropped_invalid": a.num_dropped_invalid,
             "num_duplicates": a.num_duplicates, "in_flight": self.issuer.in_flight,
             "num_ranks": self.trainer.world_size, **train_metrics, **bc,
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
@@ -356,7 +379,8 @@ class Controller:
             "held_out_accuracy_before": first["accuracy"], "held_out_accuracy_after": after["accuracy"],
             "held_out_accuracy_at_start_of_this_process": before["accuracy"],
             "max_staleness_seen": self.max_staleness_seen, "num_dropped_stale": a.num_dropped_stale,
-            "num_dropped_other": a.num_dropped_other, "num_duplicates": a.num_duplicates,
+            "num_dropped_other": a.num_dropped_other, "num_dropped_invalid": a.num_dropped_invalid,
+            "num_duplicates": a.num_duplicates,
             "num_reissued_after_queue_loss": self.issuer.num_reissued,
             "queue_reconnects": self.prompts.num_reconnects + self.trajectories.num_reconnects,
             "weights_sent_versions": len(self.broadcaster.sent_versions),

@@ -61,9 +61,13 @@ class Evaluator:
 
     def __init__(self, eval_set: list[Example], issuer: PromptIssuer, trajectories: StreamQueue,
                  read: Callable[[], Awaitable[Arrivals]], between_reads: Callable[[], Awaitable[None]],
-                 on_record: Callable[[dict], None], timeout_s: float = 600.0) -> None:
+                 on_record: Callable[[dict], None], *, check: Callable[[common_pb2.TrajectoryGroup], str],
+                 timeout_s: float = 600.0) -> None:
+        """`check` says why an eval group of an open round is malformed (or ""): such a group
+        counts in its round as a failed answer."""
         self.eval_set, self.issuer, self.trajectories = eval_set, issuer, trajectories
         self.read, self.between_reads, self.on_record = read, between_reads, on_record
+        self.check = check
         self.timeout_s = timeout_s
         self.rounds: dict[str, Round] = {}  # eval group id -> its open round
 
@@ -80,13 +84,15 @@ class Evaluator:
     async def offer(self, entry: Entry, group: common_pb2.TrajectoryGroup) -> dict | None:
         """An eval group read from the trajectory stream: acked, and counted in its round; returns
         the round's record if this completed it. Groups of no open round (e.g. issued before a
-        restart) are only acked."""
+        restart, or forged) are only acked; a malformed one is a failed answer."""
         await self.trajectories.ack(entry.id)
-        rnd = self.rounds.pop(group.group_id, None)
+        rnd = self.rounds.get(group.group_id)
         if rnd is None:
             return None
+        reason = self.check(group)
+        del self.rounds[group.group_id]
         self.issuer.returned(group.group_id)
-        rnd.results.append(group.samples[0])
+        rnd.results.append(common_pb2.Sample(error=f"dropped: {reason}") if reason else group.samples[0])
         return self._finish(rnd) if len(rnd.results) == rnd.size else None
 
     async def run(self, version: int, held_back: Arrivals) -> dict:

@@ -4,7 +4,9 @@ most (max_staleness + 1) * groups_per_step train groups outstanding, so that not
 version v (a broadcast finishes before new groups are issued).
 
 It also remembers every group it issued that has not come back, so that a queue server that
-restarted without its data loses nothing: `reissue_outstanding` publishes them all again."""
+restarted without its data loses nothing: `reissue_outstanding` publishes them all again. That
+record is also what a returning group is checked against (`issued`): a group id this run never
+issued, or one already back, is not this run's work and changes no count."""
 
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ class PromptIssuer:
         self.group_size, self.B, self.k = group_size, groups_per_step, max_staleness
         # Issued and not back yet: group id -> (split, serialized PromptGroup).
         self.outstanding: dict[str, tuple[str, bytes]] = {}
-        # Train groups issued by an earlier process (after a restart), known only by count.
+        # Train groups issued by an earlier process (after a restart), known only by count, and
+        # the run ids of those processes (their groups are recognised by the id's prefix).
         self.unknown_in_flight = 0
+        self.earlier_run_ids: set[str] = set()
+        self._earlier_back: set[str] = set()
         self.num_issued = 0
         self.num_reissued = 0
         self.cursor = 0  # next train example, `train_set.at(cursor)` (saved in checkpoints)
@@ -60,10 +65,26 @@ class PromptIssuer:
             await self.publish(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
         return budget
 
+    def issued(self, group: common_pb2.TrajectoryGroup) -> common_pb2.PromptGroup | None:
+        """The prompt group this run issued under `group`'s id, if it is still outstanding; for a
+        group of an earlier process of this run (after a restart), its own prompt with the sample
+        count that process issued. None for a group id this run did not issue or already got back."""
+        data = self.outstanding.get(group.group_id)
+        if data is not None:
+            return common_pb2.PromptGroup.FromString(data[1])
+        run_id = group.group_id.split("/", 1)[0]
+        if run_id in self.earlier_run_ids and group.prompt.split == "train" and group.group_id not in self._earlier_back:
+            issued = common_pb2.PromptGroup()
+            issued.CopyFrom(group.prompt)
+            issued.run_id, issued.n = run_id, self.group_size
+            return issued
+        return None
+
     def returned(self, group_id: str) -> None:
         """A group came back (to be trained, dropped or not)."""
-        if self.outstanding.pop(group_id, None) is None and self.unknown_in_flight > 0:
-            self.unknown_in_flight -= 1
+        if self.outstanding.pop(group_id, None) is None:
+            self._earlier_back.add(group_id)
+            self.unknown_in_flight = max(self.unknown_in_flight - 1, 0)
 
     async def reissue_outstanding(self) -> int:
         """Publish every outstanding group again (their entries were lost with the queue)."""

@@ -5,6 +5,7 @@ import pytest
 from rlmesh.learner.admission import Admission
 from rlmesh.learner.data import Example
 from rlmesh.learner.issuer import PromptIssuer
+from rlmesh.learner.validation import Bounds
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import Entry
 
@@ -39,14 +40,17 @@ def _issuer(k: int = 1, groups_per_step: int = 4) -> PromptIssuer:
 
 def _admission(k: int = 1, drop_flat: bool = False, issuer: PromptIssuer | None = None) -> Admission:
     issuer = issuer or _issuer(k)
+    # Every group counts as issued here (the issued-by-this-run rule: tests/unit/learner/test_validation.py).
     return Admission(FakeQueue(), Records(), max_staleness=k, drop_zero_advantage_groups=drop_flat,
-                     on_returned=issuer.returned)
+                     on_returned=issuer.returned, bounds=Bounds(vocab_size=100, max_abs_reward=1e4, max_seq_len=64),
+                     issued=lambda g: common_pb2.PromptGroup(split="train", n=len(g.samples)))
 
 
 def _group(gid: str, versions: list[tuple[int, int]], errors: int = 0, rewards=None) -> tuple[Entry, common_pb2.TrajectoryGroup]:
     samples = [common_pb2.Sample(index=i, min_version=lo, max_version=hi, reward=(rewards or [1.0, 0.0] * 4)[i],
                                  error="boom" if i < errors else "") for i, (lo, hi) in enumerate(versions)]
-    group = common_pb2.TrajectoryGroup(group_id=gid, samples=samples)
+    group = common_pb2.TrajectoryGroup(group_id=gid, samples=samples, prompt_token_ids=[1],
+                                       prompt=common_pb2.PromptGroup(group_id=gid, split="train"))
     return Entry(id=f"e-{gid}", key=gid, data=b""), group
 
 

@@ -32,6 +32,7 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
     from rlmesh.learner.admission import Admission
     from rlmesh.learner.evaluator import Evaluator
     from rlmesh.learner.issuer import PromptIssuer
+    from rlmesh.learner.validation import Bounds
     from rlmesh.v1 import common_pb2
     from rlmesh.services.queue import Entry
 
@@ -48,7 +49,8 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
             pass
 
     def arrival(i: int, version: int, split: str = "train"):
-        group = common_pb2.TrajectoryGroup(group_id=f"g{i}", prompt=common_pb2.PromptGroup(split=split), samples=[
+        group = common_pb2.TrajectoryGroup(group_id=f"g{i}", prompt=common_pb2.PromptGroup(group_id=f"g{i}", split=split),
+                                           prompt_token_ids=[1], samples=[
             common_pb2.Sample(index=j, min_version=version, max_version=version, reward=float(j % 2)) for j in range(4)])
         return Entry(id=f"e{i}", key=f"g{i}", data=b""), group
 
@@ -59,8 +61,11 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
     controller.trajectories = Stream()
     controller.issuer = PromptIssuer(Stream(), "run", [], group_size=4, groups_per_step=4, max_staleness=2)
     controller.admission = Admission(controller.trajectories, Log(), max_staleness=2,
-                                     drop_zero_advantage_groups=False, on_returned=controller.issuer.returned)
-    controller.evaluator = Evaluator([], controller.issuer, controller.trajectories, None, None, Log().write)
+                                     drop_zero_advantage_groups=False, on_returned=controller.issuer.returned,
+                                     issued=lambda g: common_pb2.PromptGroup(split=g.prompt.split, n=len(g.samples)),
+                                     bounds=Bounds(vocab_size=10, max_abs_reward=1e4, max_seq_len=64))
+    controller.evaluator = Evaluator([], controller.issuer, controller.trajectories, None, None, Log().write,
+                                     check=lambda group: "")
     ready = [arrival(i, 9) for i in range(6)]
     controller.held_back = [arrival(i, 10) for i in range(6, 9)] + [arrival(9, 10, "eval")]
     out = await controller._fill(list(ready))

@@ -52,7 +52,8 @@ def evaluate(samples) -> dict:
         pass
 
     written = []
-    evaluator = Evaluator([EXAMPLE] * len(samples), issuer, SimpleNamespace(ack=ack), read, idle, written.append)
+    evaluator = Evaluator([EXAMPLE] * len(samples), issuer, SimpleNamespace(ack=ack), read, idle, written.append,
+                          check=lambda group: "")
     record = asyncio.run(evaluator.run(3, []))
     assert sorted(acked) == sorted(f"g{i}" for i in range(len(samples)))
     assert written == [record] and not evaluator.rounds
@@ -89,7 +90,8 @@ def test_a_round_started_beside_training_finishes_when_its_last_group_is_offered
     async def never():
         raise AssertionError("a round started beside training does not read by itself")
 
-    evaluator = Evaluator([EXAMPLE] * 2, issuer, SimpleNamespace(ack=ack), never, never, written.append)
+    evaluator = Evaluator([EXAMPLE] * 2, issuer, SimpleNamespace(ack=ack), never, never, written.append,
+                          check=lambda group: "")
 
     async def scenario():
         await evaluator.start(7)
