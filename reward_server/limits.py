@@ -23,8 +23,8 @@ class RequestLimits:
     max_score_items: int = 4096
     max_text_chars: int = 262144
     max_metadata_bytes: int = 65536
-    max_sessions: int = 4096
-    max_sessions_per_client: int = 1024
+    max_sessions: int = 8192
+    max_sessions_per_client: int = 2048
 
     @classmethod
     def from_config(cls, section: RewardSection) -> RequestLimits:

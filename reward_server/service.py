@@ -74,9 +74,10 @@ def load_environment(name: str, path: str, function_limits: WorkerLimits) -> Any
 
 
 def caller(context: grpc.aio.ServicerContext) -> str:
-    """Who is calling, for per-caller limits: the tier its certificate names, else its host."""
-    tier = peer_tier(context)
-    return tier if tier is not None else context.peer().rsplit(":", 1)[0]
+    """Who is calling, for per-caller limits: its host (`ipv4:10.0.0.7`), with the tier its
+    certificate names under mutual TLS (`rollout@ipv4:10.0.0.7`)."""
+    host, tier = context.peer().rsplit(":", 1)[0], peer_tier(context)
+    return host if tier is None else f"{tier}@{host}"
 
 
 def _budget(context: grpc.aio.ServicerContext) -> float | None:

@@ -390,10 +390,10 @@ class RewardSection(Section):
     """Characters a prompt (all its messages), a completion or a step's action may hold; more is INVALID_ARGUMENT."""
     max_metadata_bytes: int = Field(65536, ge=1)
     """Serialized size of one item's env_metadata; more is INVALID_ARGUMENT."""
-    max_sessions: int = Field(4096, ge=1)
+    max_sessions: int = Field(8192, ge=1)
     """Multi-turn sessions open on one reward server; a Reset past it is RESOURCE_EXHAUSTED."""
-    max_sessions_per_client: int = Field(1024, ge=1)
-    """Sessions one caller (its certificate's tier under mutual TLS, else its IP) may hold open; a Reset past it is RESOURCE_EXHAUSTED."""
+    max_sessions_per_client: int = Field(2048, ge=1)
+    """Sessions one caller (one host; with its tier under mutual TLS) may hold open; a Reset past it is RESOURCE_EXHAUSTED. A rollout server holds up to rollout.max_concurrent_groups * n at once, and every caller on one host (or behind a proxying reward server) counts as one."""
     math: MathEnvironmentSection = MathEnvironmentSection()
     """The built-in `math` environment (final answers checked with math-verify): its per-item timeout, worker processes and format reward."""
     env_processes: list[str] = []
