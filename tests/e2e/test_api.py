@@ -1,0 +1,75 @@
+"""The Python API end to end: examples/train_api.py trains the demo through `rlmesh.train` with a
+reward function defined in the script (shipped to the reward server by import path), and a
+callback stops a run early, which ends cleanly with a checkpoint at the step it stopped at and no
+process left; rlmesh.export turns its checkpoint into an HF model."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_mesh import Up
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Script(Up):
+    """A Python script in a subprocess, tracking every descendant it ever had (as `Up` does)."""
+
+    def __init__(self, out_path: Path, *argv: str) -> None:  # noqa: super().__init__ starts `rlmesh up`
+        self.out_path = out_path
+        self.proc = subprocess.Popen([sys.executable, *argv], stdout=out_path.open("wb"), stderr=subprocess.STDOUT,
+                                     cwd=REPO)
+        self.seen = {}
+
+
+def test_example_script_trains_the_demo_with_its_own_reward_function(tmp_path):
+    script = Script(tmp_path / "out.txt", str(REPO / "examples" / "train_api.py"), "learner.num_steps=20",
+                    "learner.eval_every=0", "logging.progress=false", f"run.output_dir={tmp_path / 'runs'}")
+    assert script.finish(timeout=900) == 0, script.output()[-4000:]
+    assert len(script.seen) >= 4, "sft, reward, learner, rollout (+ vLLM engine) are children"
+    assert not script.leftovers(), f"processes outlived rlmesh.train: {script.leftovers()}"
+    before, after = map(float, re.findall(r"^held-out accuracy: ([\d.]+) -> ([\d.]+)$", script.output(), re.M)[-1])
+    print(f"held-out accuracy {before:.2f} -> {after:.2f}")
+    assert after - before >= 0.2 - 1e-9, f"held-out accuracy {before:.2f} -> {after:.2f}: less than +20 points"
+    # The reward server scored with the script's function, under the name train() gave it.
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    resolved = (run_dir / "config.resolved.yaml").read_text()
+    assert "reward_fn: train_api:exact_answer" in resolved and "env_name: reward_fn" in resolved
+    assert "reward_fn" in (run_dir / "logs" / "reward.log").read_text()
+
+
+def test_a_callback_stops_the_run_cleanly_at_its_step(tmp_path):
+    stop_at = 5
+    script = Script(tmp_path / "out.txt", str(REPO / "tests" / "e2e" / "api_stop_run.py"), str(stop_at),
+                    "sft.num_steps=0", "learner.num_steps=40", "learner.eval_every=0", "checkpoint.every_n_steps=0",
+                    "logging.progress=false", f"run.output_dir={tmp_path / 'runs'}")
+    assert script.finish(timeout=900) == 0, script.output()[-4000:]
+    assert not script.leftovers(), f"processes outlived rlmesh.train: {script.leftovers()}"
+    result = json.loads(script.output().strip().splitlines()[-1])
+    run_dir, n = Path(result["run_dir"]), result["num_steps"]
+    print(f"stop requested at step {stop_at}; the learner stopped at step {n}")
+    assert n == stop_at  # the learner starts no step before the callbacks have seen the last one
+    assert result["stopped_early"] == f"StopAt.on_step_end at version {stop_at} raised StopTraining: seen step {stop_at}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["num_steps"] == n and summary["stop_requested"] == result["stopped_early"]
+    assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
+    # The final checkpoint is at that step, complete, and the last one on disk.
+    checkpoint = run_dir / "checkpoints" / f"step_{n:06d}"
+    assert result["checkpoint"] == str(checkpoint)
+    assert (checkpoint / "dcp" / ".metadata").is_file() and (checkpoint / "model" / "model.safetensors").is_file()
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["version"] == n
+    # rlmesh.export made an HF model from it.
+    assert (Path(result["exported"]) / "model.safetensors").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [checkpoint.name]
+    # Every row reached the callbacks in order, the final evaluation at the stopping step included.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows if r["kind"] == "train"] == list(range(1, n + 1)) == result["steps"]
+    assert [v for v, _ in result["evals"]] == [0, n]
+    assert "stop requested" in (run_dir / "logs" / "learner.log").read_text()
