@@ -57,8 +57,9 @@ class StandInEngine:
 
 async def _plane(engine: StandInEngine):
     cfg = WeightSyncSection(backend="gloo", timeout_s=20)
-    server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
-                                  RolloutService(engine, "gen", build_receiver(cfg)), "rlmesh.v1.RolloutService")], port=0)
+    service = RolloutService(engine, "gen", build_receiver(cfg))
+    server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service,
+                                  "rlmesh.v1.RolloutService")], port=0)
     membership = Membership(token=None, rpc_timeout_s=20)
     membership.register("gen", f"127.0.0.1:{server.port}", num_workers=1)
     broadcaster = WeightBroadcaster(membership, cfg, build_sender(cfg), lambda fn, *a: asyncio.to_thread(fn, *a))
