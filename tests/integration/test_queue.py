@@ -122,6 +122,30 @@ async def test_refreshed_claims_are_not_taken_by_another_consumer(valkey_url):
     _queue("redis://127.0.0.1:1", q.stream).claim_refresher("redis://127.0.0.1:1")("busy", ["0-1"])
 
 
+async def test_the_claim_refresher_connects_as_the_queue_does():
+    """The refresher takes the user and password of the queue's own client: on a queue server that
+    wants a password, a refresher without it would fail (quietly) and let the claims lapse."""
+    from rlmesh.services.valkey import start_embedded_valkey
+
+    server = start_embedded_valkey()
+    try:
+        password = "pw-" + uuid.uuid4().hex
+        admin = connect(server.connection_url)
+        await admin.execute_command("ACL", "SETUSER", "default", "resetpass", f">{password}")
+        url = server.connection_url.replace("redis://", f"redis://default:{password}@")
+        q = _queue(url, f"test:{uuid.uuid4().hex}", claim_idle_ms=300)
+        await q.ensure_group()
+        await q.publish("kept", b"x")
+        held = await q.read("busy", count=1, block_ms=100)
+        refresh = q.claim_refresher(server.connection_url)  # the URL without the password
+        for _ in range(4):
+            await asyncio.sleep(0.15)
+            await asyncio.to_thread(refresh, "busy", [e.id for e in held])
+        assert await q.claim_stale("other") == []
+    finally:
+        server.stop()
+
+
 async def test_an_unreachable_queue_server_is_reported_naming_the_stream(valkey_url):
     q = _queue("redis://127.0.0.1:1", "test:nowhere", reconnect_timeout_s=0.5)
     with pytest.raises(QueueUnavailable, match=r"publish on stream 'test:nowhere': queue server unreachable for [0-9]+s"):
