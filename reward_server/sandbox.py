@@ -26,10 +26,10 @@ What a run is protected against:
 What it does not protect against: kernel vulnerabilities (it is namespaces and rlimits, not a VM
 or gVisor); CPU contention — a run may use every core until its wall time ends (there is no
 cgroup CPU quota); memory is bounded per process (RLIMIT_AS) times the process limit, not per run;
-the system libraries and the Python installation are readable; and a program written to attack
-the harness that runs in its own interpreter (assert-style tests) could dig the result nonce out
-of the harness's frames and report passes it did not earn — stdin/stdout tests run the program in
-a separate process and are not open to that.
+the system libraries and the Python installation are readable; and assert-style tests run in the
+program's own interpreter, so a program written to cheat can pass them without solving the task
+(return an object whose `__eq__` is always true, or dig the result nonce out of the harness's
+frames) — stdin/stdout tests compare what a separate process printed and are not open to that.
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ class Sandbox:
         prefix = nonce + " "
         for line in stdout.decode("utf-8", "replace").splitlines():
             if line.startswith(prefix):
-                i, passed, detail = json.loads(line[len(prefix):])
-                results.setdefault(i, TestResult(bool(passed), detail))
+                index, passed, detail = (line[len(prefix):].split(" ", 2) + [""])[:3]
+                results.setdefault(int(index), TestResult(passed == "1", detail))
         missing = "no result: the run timed out" if timed_out else "no result: the program ended the test harness"
         return RunResult([results.get(i, TestResult(False, missing)) for i in range(len(tests))], timed_out,
                          None if timed_out else exit_code, stderr.decode("utf-8", "replace"))

@@ -101,7 +101,8 @@ async def test_a_fork_bomb_scores_zero_while_another_item_is_served(stub):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     t0 = time.monotonic()
     bombed, good = await _score(stub, (bomb + "ok = True", ["assert ok"]), GOOD)
-    assert not bombed.error and bombed.reward == 0.0 and bombed.components["timed_out"] == 1.0
+    # Ended by the wall-time kill, or sooner when the CPU limit kills the forking harness.
+    assert not bombed.error and bombed.reward == 0.0
     assert good.reward == 1.0  # scored beside the bomb
     assert time.monotonic() - t0 < LIMITS.wall_s + 5
     await _still_serving(stub)
@@ -122,6 +123,9 @@ HOSTILE = {
                             ["assert 'root' in data"]),
     "unmounting the read-only binds": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                                        "unmounted = libc.umount2(b'/usr', 2) == 0", ["assert unmounted"]),
+    "forging results through json.dumps": ("import json, os\njson.dumps = lambda row: '[%d, true, \"\"]' % row[0]\n"
+                                            "print('[0, true, \"\"]')\nos.write(1, b'[0, true, \"\"]\\n')",
+                                            ["assert False"]),
     "spawning a shell": ("import subprocess\nout = subprocess.run(['sh', '-c', 'cat /etc/hostname'], "
                          "capture_output=True).stdout", ["assert out"]),
 }
