@@ -79,6 +79,7 @@ class _Worker:
         if "error" in ready:
             self.kill()
             raise ValueError(ready["error"])
+        self.multi_turn: bool = ready["multi_turn"]
 
     def read(self, deadline: float) -> dict:
         """One JSON line from the worker, by `deadline` (TimeoutError) or WorkerDied."""
@@ -132,7 +133,11 @@ class FunctionWorkerPool:
         self._lock = threading.Lock()
         self.num_replaced = 0
         self.start_error = ""
-        for _ in range(limits.num_workers):  # a function that cannot be imported fails here, at start-up
+        first = _Worker(path, limits)  # a function that cannot be imported fails here, at start-up
+        self._add(first)
+        # `path` names a multi-turn environment class, not a function: the caller serves it instead.
+        self.multi_turn = first.multi_turn
+        for _ in range(0 if self.multi_turn else limits.num_workers - 1):
             self._add(_Worker(path, limits))
 
     def _add(self, worker: _Worker) -> None:
@@ -244,6 +249,7 @@ def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
 
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    from rlmesh.reward_server.environments.base import is_multi_turn
     from rlmesh.reward_server.environments.function import load_callable
 
     try:
@@ -251,7 +257,7 @@ def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
     except (ValueError, MemoryError) as err:
         send({"error": str(err)})
         return
-    send({"ready": True})
+    send({"ready": True, "multi_turn": isinstance(fn, type) and is_multi_turn(fn)})
     hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
     for line in sys.stdin:
         item = json.loads(line)

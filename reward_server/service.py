@@ -62,15 +62,16 @@ def to_proto_messages(env_name: str, messages: list[Message]) -> list[common_pb2
 
 def load_environment(name: str, path: str, function_limits: WorkerLimits) -> Any:
     """`module:function` is a single-turn reward function, run in worker processes under
-    `function_limits`; `module:Class` (with reset and step) is a multi-turn environment,
-    constructed without arguments."""
-    obj = load_callable(path)
-    if isinstance(obj, type) and is_multi_turn(obj):
-        env = obj()
-        env.name = name
-        env.description = getattr(env, "description", "") or f"multi-turn environment {path}"
-        return env
-    return FunctionEnvironment(name, path, function_limits)
+    `function_limits` (its module is imported there, never in this process); `module:Class` (with
+    reset and step) is a multi-turn environment, constructed without arguments in this process."""
+    function = FunctionEnvironment(name, path, function_limits)
+    if not function.workers.multi_turn:
+        return function
+    function.close()
+    env = load_callable(path)()
+    env.name = name
+    env.description = getattr(env, "description", "") or f"multi-turn environment {path}"
+    return env
 
 
 def caller(context: grpc.aio.ServicerContext) -> str:

@@ -6,6 +6,7 @@ reward server on a loopback port, real worker processes."""
 
 import asyncio
 import os
+import sys
 import time
 
 
@@ -85,6 +86,7 @@ async def _answered_meanwhile(stub, until: asyncio.Future) -> int:
 
 async def test_a_worker_gets_no_credentials_from_the_server_environment(reward):
     _, stub, _ = reward
+    assert FNS not in sys.modules, "the reward functions' module is imported in the workers only"
     reply = await stub.Score(_items("secrets_seen"), timeout=10)
     assert not reply.results[0].error and reply.results[0].reward == 0.0
     with open(f"/proc/{int(reply.results[0].components['pid'])}/environ", "rb") as f:
