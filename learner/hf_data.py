@@ -80,6 +80,8 @@ class RowMapping:
         where = f"{self.where} row {index}"
         if row.get(cfg.messages_key) is not None:
             messages = self._messages(row[cfg.messages_key], where)
+        elif isinstance(row.get(cfg.prompt_key), list):  # TRL's conversational prompt: a list of messages
+            messages = self._messages(row[cfg.prompt_key], where)
         elif row.get(cfg.prompt_key) is not None:
             text = str(row[cfg.prompt_key])
             if cfg.prompt_template is not None:

@@ -76,6 +76,10 @@ def test_messages_metadata_columns_and_preference_pairs(tmp_path):
     # Without metadata_keys every column but the prompt and the pair reaches the environment.
     train, _ = load_dataset(_data(f"data.path={tmp_path / 'saved'}", "data.eval_split=validation"), 0)
     assert set(train[0].metadata) == {"uid", "level", "source", "answer"}
+    # TRL's conversational form: the prompt column holds the messages.
+    Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}]).to_json(tmp_path / "trl.jsonl")
+    train, _ = load_dataset(_data(f"data.path={tmp_path / 'trl.jsonl'}", f"data.eval_path={tmp_path / 'trl.jsonl'}"), 0)
+    assert train[0].messages == [{"role": "user", "content": "1+1="}] and train[0].metadata == {"answer": "2"}
     with pytest.raises(ValueError, match="no split 'test'; it has train, validation"):
         load_dataset(_data(f"data.path={tmp_path / 'saved'}"), 0)
     with pytest.raises(ValueError, match=r"metadata_keys names column\(s\) grade"):
