@@ -34,6 +34,7 @@ frames) — stdin/stdout tests compare what a separate process printed and are n
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -52,8 +53,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-# Sandbox users are uids no account on the host is likely to have; one per concurrent run.
-_UID_BASE = 2_000_000_000
+# Sandbox users are uids no account on the host is likely to have: one per concurrent run, and
+# different sandboxes (several code environments in one server) never share one.
+_UIDS = itertools.count(2_000_000_000)
 _SYSTEM_BINDS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
 
 
@@ -120,8 +122,8 @@ class Sandbox:
             binds.append(self.prefix)
         self._binds = binds
         self._uids: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(max_concurrency):
-            self._uids.put(_UID_BASE + i)
+        for _ in range(max_concurrency):
+            self._uids.put(next(_UIDS))
         self._harness = (_HERE / "sandbox_harness.py").read_text()
 
     @property
