@@ -17,6 +17,7 @@ not connect, timed out, or got HTTP 429 or 5xx. Component: `judge_score` (the ra
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 from typing import Any
@@ -25,8 +26,15 @@ import httpx
 
 from rlmesh.reward_server.environments.base import Message, ScoreInput, ScoreOutput
 from rlmesh.reward_server.environments.loop_thread import LoopThread
+from rlmesh.services.retry import Backoff, retry
 
 _PLACEHOLDER = re.compile(r"\{(prompt|completion|reference)\}")
+_RETRY = Backoff(0.5, 4.0)
+log = logging.getLogger(__name__)
+
+
+class _Transient(Exception):
+    """A request that may succeed if tried again: no connection, no answer in time, 429 or 5xx."""
 
 
 def fill_rubric(rubric: str, prompt: str, completion: str, reference: str) -> str:
@@ -108,22 +116,17 @@ class JudgeEnvironment:
 
     async def _request(self, body: dict[str, Any]) -> str:
         """The judge's reply text; ConnectionError naming the endpoint when there is none."""
-        failure = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
+
+        async def once() -> str:
             try:
                 async with self._slots:
                     response = await self._client.post(self.endpoint, json=body, timeout=self.timeout_s)
             except httpx.TimeoutException:
-                failure = f"no answer within timeout_s={self.timeout_s}s"
-                continue
+                raise _Transient(f"no answer within timeout_s={self.timeout_s}s") from None
             except httpx.TransportError as err:
-                failure = f"{type(err).__name__}: {err}"
-                continue
+                raise _Transient(f"{type(err).__name__}: {err}") from None
             if response.status_code == 429 or response.status_code >= 500:
-                failure = f"HTTP {response.status_code}: {response.text[:200]}"
-                continue
+                raise _Transient(f"HTTP {response.status_code}: {response.text[:200]}")
             if response.status_code != 200:
                 raise ConnectionError(f"judge endpoint {self.endpoint} answered HTTP {response.status_code} "
                                       f"(not retried): {response.text[:300]}")
@@ -133,4 +136,10 @@ class JudgeEnvironment:
                 raise ConnectionError(f"judge endpoint {self.endpoint} answered something other than a chat "
                                       f"completion: {response.text[:300]!r}") from None
             return content or ""
-        raise ConnectionError(f"judge endpoint {self.endpoint} failed after {self.retries + 1} attempt(s): {failure}")
+
+        def failed(err: BaseException, elapsed_s: float) -> ConnectionError:
+            return ConnectionError(f"judge endpoint {self.endpoint} failed after {self.retries + 1} attempt(s): {err}")
+
+        # Retries are logged at debug: a judge under load answers 429 to many items at once.
+        return await retry(once, what=f"judge endpoint {self.endpoint}", retry_on=_Transient, backoff=_RETRY,
+                           max_attempts=self.retries + 1, give_up=failed, log=log, level=logging.DEBUG)
