@@ -166,9 +166,9 @@ class StreamOrder:
 def load_hf(cfg: HFDataSection, seed: int) -> tuple[TrainOrder | StreamOrder, list[Example]]:
     """(train, eval): the training split in its per-epoch order, and the held-out rows in memory."""
     eval_location = cfg.eval_path or cfg.path
-    if cfg.eval_path is None and _data_files(cfg.path) is not None:
-        raise ValueError(f"data.path={cfg.path!r} is a data file, which holds one split: give the held-out rows "
-                         "in data.eval_path (a file of their own)")
+    if cfg.eval_path is None and (_data_files(cfg.path) is not None or (Path(cfg.path) / "state.json").is_file()):
+        raise ValueError(f"data.path={cfg.path!r} is a data file or a saved Dataset, which holds one split: give the "
+                         "held-out rows in data.eval_path (a location of their own)")
     to_train = RowMapping(cfg, cfg.path, cfg.split)
     train = open_split(cfg.path, cfg.split, cfg, cfg.streaming)
     if cfg.streaming:

@@ -80,6 +80,12 @@ def test_messages_metadata_columns_and_preference_pairs(tmp_path):
     Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}]).to_json(tmp_path / "trl.jsonl")
     train, _ = load_dataset(_data(f"data.path={tmp_path / 'trl.jsonl'}", f"data.eval_path={tmp_path / 'trl.jsonl'}"), 0)
     assert train[0].messages == [{"role": "user", "content": "1+1="}] and train[0].metadata == {"answer": "2"}
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    with pytest.raises(ValueError, match="holds one split: give the held-out rows in data.eval_path"):
+        load_dataset(_data(f"data.path={tmp_path / 'one'}"), 0)
+    train, evals = load_dataset(_data(f"data.path={tmp_path / 'one'}", f"data.eval_path={tmp_path / 'saved'}",
+                                      "data.eval_split=validation"), 0)
+    assert len(train) == 12 and len(evals) == 4
     with pytest.raises(ValueError, match="no split 'test'; it has train, validation"):
         load_dataset(_data(f"data.path={tmp_path / 'saved'}"), 0)
     with pytest.raises(ValueError, match=r"metadata_keys names column\(s\) grade"):
