@@ -106,6 +106,14 @@ class Admission:
         self.buffered.add(group.group_id)
         return True
 
+    async def drop_undecodable(self, entry: Entry, err: Exception) -> None:
+        """A trajectory-stream entry that is not a TrajectoryGroup: acked and counted, never trained."""
+        log.error("trajectory entry %s is not a TrajectoryGroup (%s); dropped", entry.id, err)
+        self.num_dropped_invalid += 1
+        self.dropped_log.write({"entry_id": entry.id, "group_id": entry.key[:200], "invalid": True,
+                                "reason": f"not a TrajectoryGroup ({err})"})
+        await self.trajectories.ack(entry.id)
+
     def trained(self, group_id: str) -> None:
         self.buffered.discard(group_id)
         self.trained_groups.add(group_id)

@@ -1,7 +1,8 @@
-"""`rlmesh learner`: the controller. Owns setup, resume and the main loop on rank 0 — issue prompt
-groups within the staleness bound, admit trajectory groups, train, broadcast weights, evaluate,
-checkpoint, ack — and wires the components, none of which import it. Other ranks only follow
-rank 0's training commands (`rlmesh.learner.train.trainer`)."""
+"""`rlmesh learner`: the controller. Owns resume and the main loop on rank 0 — issue prompt groups
+within the staleness bound, admit trajectory groups, train, broadcast weights, evaluate,
+checkpoint, ack — driving components it is given (`rlmesh.learner.builder` builds and wires them;
+none of them imports this module). Other ranks only follow rank 0's training commands
+(`rlmesh.learner.train.trainer`)."""
 
 from __future__ import annotations
 
@@ -11,32 +12,31 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvloop
-from google.protobuf.message import DecodeError
 
 from rlmesh.learner.admission import Admission, staleness
-from rlmesh.learner.data import load_dataset
 from rlmesh.learner.evaluator import Arrivals, Evaluator, episode_stats
 from rlmesh.learner.issuer import PromptIssuer
-from rlmesh.learner.membership import LearnerService, Membership
+from rlmesh.learner.membership import Membership
 from rlmesh.learner.stop import stop_requested, wait_until_seen
-from rlmesh.learner.validation import Bounds
-from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-from rlmesh.services.auth import TLSFiles, load_token
+from rlmesh.learner.train.schedule import learning_rate
+from rlmesh.v1 import learner_pb2
 from rlmesh.services.config import HFModelSection, RunConfig
-from rlmesh.services.grpc_server import start_server
-from rlmesh.services.queue import StreamQueue, connect
 from rlmesh.services.telemetry import setup_logging
 
+if TYPE_CHECKING:
+    from rlmesh.learner.broadcast import TorchRunner, WeightBroadcaster, WeightSource
+    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.reader import TrajectoryReader
+    from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.services.queue import StreamQueue
+
 log = logging.getLogger("rlmesh.learner")
-SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
-CONSUMER = "learner"
 
 
 def require_model_path(config: RunConfig) -> str:
@@ -45,11 +45,39 @@ def require_model_path(config: RunConfig) -> str:
     return config.model.path
 
 
+@dataclass
+class Components:
+    """What the controller drives; `rlmesh.learner.builder.build_controller` builds them."""
+
+    run_id: str
+    run_torch: TorchRunner
+    """Runs a blocking call on the one torch thread (all collectives happen there)."""
+    prompts: StreamQueue
+    trajectories: StreamQueue
+    trainer: Trainer
+    weights: WeightSource
+    membership: Membership
+    broadcaster: WeightBroadcaster
+    issuer: PromptIssuer
+    admission: Admission
+    reader: TrajectoryReader
+    evaluator: Evaluator
+    metrics: MetricsWriter
+    trained_log: MetricsWriter
+    """Which trajectory groups each version was trained on: the audit trail for exactly-once."""
+    dropped_log: MetricsWriter
+
+
 class Controller:
-    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+    def __init__(self, config: RunConfig, run_dir: Path, parts: Components) -> None:
         self.model_path = require_model_path(config)
         self.config, self.run_dir = config, run_dir
-        self.run_id = f"{config.run.name}-{uuid.uuid4().hex[:8]}"
+        self.run_id, self._torch = parts.run_id, parts.run_torch
+        self.prompts, self.trajectories, self.reader = parts.prompts, parts.trajectories, parts.reader
+        self.trainer, self.weights = parts.trainer, parts.weights
+        self.membership, self.broadcaster = parts.membership, parts.broadcaster
+        self.issuer, self.admission, self.evaluator = parts.issuer, parts.admission, parts.evaluator
+        self.metrics, self.trained_log, self.dropped_log = parts.metrics, parts.trained_log, parts.dropped_log
         self.version = 0
         self.k = config.algorithm.max_staleness
         self.B = config.learner.groups_per_step
@@ -58,84 +86,8 @@ class Controller:
         self.held_back: Arrivals = []
         self.max_staleness_seen = 0
         self.resumed_from: int | None = None
-        self.first_eval: dict | None = None
-        self._last_arrival = self._last_wait_log = time.monotonic()
-        # All torch work, collectives included, runs on this one thread, off the event loop.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
 
-    async def _torch(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
-
-    # --- setup ---------------------------------------------------------------------------------
-
-    async def setup(self, port: int) -> None:
-        from transformers import AutoTokenizer
-
-        from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
-        from rlmesh.learner.metrics import MetricsWriter
-        from rlmesh.learner.train.trainer import Trainer
-        from rlmesh.services.weights.base import build_sender
-
-        cfg = self.config
-        token = load_token(cfg.network.token_file, cfg.network.token_env)
-        redis = connect(cfg.queue.url)
-        self.prompts = StreamQueue(redis, cfg.queue.prompt_stream, group="rollout", max_len=cfg.queue.max_len,
-                                   claim_idle_ms=cfg.queue.claim_idle_ms)
-        self.trajectories = StreamQueue(redis, cfg.queue.trajectory_stream, group="learner",
-                                        max_len=cfg.queue.max_len, claim_idle_ms=cfg.queue.claim_idle_ms)
-        await self.prompts.ensure_group()
-        await self.trajectories.ensure_group()
-        # A marker that vanishes says the queue server lost its data (see _check_queue).
-        await self.prompts.set_marker("run", self.run_id)
-        self._group_recreations = 0
-        self._last_queue_check = time.monotonic()
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.trainer = await self._torch(lambda: Trainer(cfg, self.model_path, pad_id=self.tokenizer.pad_token_id))
-        self.weights = WeightSource(self.trainer.weight_metas, self.trainer.stream_weights)
-
-        self.membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s)
-        service = LearnerService(self.membership, self.run_id, self.status, lambda: self.version)
-        self.server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, SERVICE_NAME)],
-                                         host=cfg.network.host, port=port, token=token, tls=TLSFiles.from_env())
-        log.info("learner control plane on port %d (run %s, %d training rank(s))", self.server.port, self.run_id,
-                 self.trainer.world_size)
-        self.broadcaster = WeightBroadcaster(self.membership, cfg.weight_sync, build_sender(cfg.weight_sync),
-                                             self._torch)
-
-        train_set, eval_set = load_dataset(cfg.data, cfg.run.seed)
-        self.issuer = PromptIssuer(self.prompts, self.run_id, train_set, group_size=cfg.algorithm.group_size,
-                                   groups_per_step=self.B, max_staleness=self.k)
-        self.metrics = MetricsWriter(self.run_dir)
-        # Which trajectory groups each version was trained on: the audit trail for exactly-once.
-        self.trained_log = MetricsWriter(self.run_dir, "trained_groups.jsonl")
-        self.dropped_log = MetricsWriter(self.run_dir, "dropped_groups.jsonl")
-        self._note_run_id()
-        self.admission = Admission(self.trajectories, self.dropped_log, max_staleness=self.k,
-                                   drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
-                                   on_returned=self.issuer.returned, issued=self.issuer.issued,
-                                   bounds=self._bounds())
-        self.evaluator = Evaluator(eval_set, self.issuer, self.trajectories, self._read, self.sync_generators,
-                                   self._eval_record, check=lambda group: self.admission.check(group, self.version))
-        await self._resume()
-
-    def _bounds(self) -> Bounds:
-        from transformers import AutoConfig
-
-        rollout = self.config.rollout
-        return Bounds(vocab_size=AutoConfig.from_pretrained(self.model_path).vocab_size,
-                      max_abs_reward=self.config.reward.max_abs_reward,
-                      max_seq_len=max(rollout.max_model_len, rollout.episode.max_total_tokens or 0))
-
-    def _note_run_id(self) -> None:
-        """Record this process's run id in the run directory; groups issued under the ids of earlier
-        processes of this run (before a restart) are still this run's work."""
-        path = self.run_dir / "learner_run_ids.txt"
-        self.issuer.earlier_run_ids = set(path.read_text().split()) if path.exists() else set()
-        with path.open("a") as f:
-            f.write(self.run_id + "\n")
-
-    async def _resume(self) -> None:
+    async def resume(self) -> None:
         """Continue from the newest durable checkpoint, if any: restore weights, optimizer, RNG,
         version, data cursor and the trained group ids, then replay this consumer's unacked
         trajectories (trained after that checkpoint, or never trained) through admission."""
@@ -150,30 +102,20 @@ class Controller:
         await self._torch(self.trainer.load, ckpt)
         self.version = int(state["version"])
         self.admission.trained_groups = set(state["trained_groups"])
-        self.issuer.cursor = int(state.get("train_cursor", 0))
-        self.first_eval = state.get("first_eval")
+        self.evaluator.first = state.get("first_eval")
         for name, value in state.get("counters", {}).items():
             setattr(self.admission, name, value)
         # Prompts issued before the restart still come back as trajectories: count them in flight.
-        self.issuer.unknown_in_flight = (await self.prompts.depth()).length + (await self.trajectories.depth()).lag
-        replay = await self.trajectories.read_own_pending(CONSUMER, count=100000)
-        for entry in replay:
-            try:
-                self.held_back.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
-            except DecodeError:
-                await self.trajectories.ack(entry.id)
+        self.issuer.resume(int(state.get("train_cursor", 0)),
+                           (await self.prompts.depth()).length + (await self.trajectories.depth()).lag)
+        replay = await self.reader.replay_pending()
+        self.held_back.extend(replay)
         self.resumed_from = self.version
         # Rows of later versions written before the crash are superseded from here on.
         self.trained_log.write({"resumed_from": self.version, "checkpoint": ckpt.name})
         log.info("resumed from %s at version %d: %d trained groups on record, %d unacked trajectories to "
                  "replay, ~%d groups in flight", ckpt.name, self.version, len(self.admission.trained_groups),
                  len(replay), self.issuer.in_flight)
-
-    async def sync_generators(self) -> None:
-        """Bring generators that hold other weights (late joiners, survivors of a learner restart)
-        to the current version now, rather than after the next step: they serve nothing until then."""
-        if self.membership.out_of_date(self.version):
-            await self.broadcaster.broadcast(self.version, self.weights)
 
     def status(self) -> learner_pb2.LearnerStatusResponse:
         now = time.monotonic()
@@ -184,65 +126,9 @@ class Controller:
                                                   in_group=g.in_group, seconds_since_heartbeat=now - g.last_seen)
                         for g in self.membership.generators.values()])
 
-    # --- consuming -------------------------------------------------------------------------------
-
-    async def _check_queue(self) -> None:
-        """Detect a queue server that came back empty (its run marker or a consumer group is gone):
-        re-create what is needed and re-issue every outstanding prompt group, counted."""
-        recreations = self.prompts.num_group_recreations + self.trajectories.num_group_recreations
-        if await self.prompts.get_marker("run") is not None and recreations == self._group_recreations:
-            return
-        self._group_recreations = recreations
-        await self.prompts.ensure_group()
-        await self.trajectories.ensure_group()
-        await self.prompts.set_marker("run", self.run_id)
-        n = await self.issuer.reissue_outstanding()
-        log.error("the queue server lost its data (run marker or consumer group gone): re-issued %d outstanding "
-                  "prompt groups; trained-but-unacked trajectories stay covered by the next checkpoint", n)
-        self.metrics.write({"kind": "queue_loss", "version": self.version, "num_reissued": n})
-
-    async def _read(self) -> Arrivals:
-        if time.monotonic() - self._last_queue_check > 1.0:
-            self._last_queue_check = time.monotonic()
-            await self._check_queue()
-        entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
-        now = time.monotonic()
-        if entries:
-            self._last_arrival = now
-        elif now - self._last_arrival > 30 and now - self._last_wait_log > 30:
-            self._last_wait_log = now
-            depth = await self.prompts.depth()
-            gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
-            log.warning("no trajectories for %.0fs: %d groups in flight, prompt stream %d unacked (%d undelivered), "
-                        "generators: %s", now - self._last_arrival, self.issuer.in_flight, depth.length, depth.lag, gens)
-        out = []
-        for entry in entries:
-            try:
-                out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
-            except DecodeError as err:
-                log.error("trajectory entry %s is not a TrajectoryGroup (%s); dropped", entry.id, err)
-                self.admission.num_dropped_invalid += 1
-                self.dropped_log.write({"entry_id": entry.id, "group_id": entry.key[:200], "invalid": True,
-                                        "reason": f"not a TrajectoryGroup ({err})"})
-                await self.trajectories.ack(entry.id)
-        return out
-
-    def learning_rate(self) -> float:
-        """The schedule's rate for the step that takes version `self.version` to the next."""
-        cfg = self.config.learner
-        if cfg.lr_schedule == "constant":
-            return cfg.lr
-        progress = self.version / max(cfg.num_steps - 1, 1)
-        return cfg.lr * (1 - (1 - cfg.lr_final_ratio) * min(progress, 1.0))
-
     async def evaluate(self) -> dict:
         """Evaluate the current version and wait for it (and for rounds still open)."""
         return await self.evaluator.run(self.version, self.held_back)
-
-    def _eval_record(self, record: dict) -> None:
-        self.metrics.write(record)
-        if self.first_eval is None:
-            self.first_eval = record
 
     # --- main loop -------------------------------------------------------------------------------
 
@@ -250,9 +136,10 @@ class Controller:
         from rlmesh.learner.train.checkpoint import save_checkpoint
 
         a = self.admission
+        lr = self.config.learner
         state = {"trained_groups": sorted(a.trained_groups), "run_id": self.run_id, "train_cursor": self.issuer.cursor,
-                 "lr_schedule": {"kind": self.config.learner.lr_schedule, "next_lr": self.learning_rate()},
-                 "first_eval": self.first_eval,
+                 "lr_schedule": {"kind": lr.lr_schedule, "next_lr": learning_rate(lr, self.version)},
+                 "first_eval": self.evaluator.first,
                  "counters": {"num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
                               "num_dropped_invalid": a.num_dropped_invalid,
                               "num_duplicates": a.num_duplicates}}
@@ -273,7 +160,7 @@ class Controller:
                          len(self.membership.generators), time.monotonic() - t0)
                 last = time.monotonic()
             await asyncio.sleep(0.5)
-        await self.sync_generators()
+        await self.reader.catch_up(self.version)
 
     async def _fill(self, ready: Arrivals) -> Arrivals:
         """Admit arrivals until a step's worth of groups is ready, issuing prompts as room frees.
@@ -282,14 +169,13 @@ class Controller:
         while True:
             for e, g in arrivals:
                 if g.prompt.split != "train":
-                    await self.evaluator.offer(e, g)  # a round running beside training, or a stray
+                    await self.evaluator.offer(e, g, self.version)  # a round running beside training, or a stray
                 elif await self.admission.accept(e, g, self.version):
                     ready.append((e, g))
             if len(ready) >= self.B:
                 return ready
             await self.issuer.issue_train(len(ready), self.version)
-            await self.sync_generators()
-            arrivals = await self._read()
+            arrivals = await self.reader.read(self.version)
 
     async def train(self) -> dict:
         cfg = self.config
@@ -315,7 +201,7 @@ class Controller:
             self.max_staleness_seen = max(self.max_staleness_seen, max(ages))
             t_step = time.monotonic()
             seqs = self.trainer.objective.sequences(groups)
-            train_metrics = await self._torch(self.trainer.step, seqs, self.learning_rate())
+            train_metrics = await self._torch(self.trainer.step, seqs, learning_rate(cfg.learner, self.version))
             train_s = time.monotonic() - t_step
             self.version += 1
             for e, g in batch:
@@ -370,7 +256,7 @@ class Controller:
     async def _summary(self, before: dict, after: dict, checkpoint: Path) -> dict:
         from rlmesh.services.weights.wire import weights_digest
 
-        a, first = self.admission, self.first_eval or before
+        a, first = self.admission, self.evaluator.first or before
         learner_digest = await self._torch(lambda: weights_digest(self.trainer.stream_weights(),
                                                                   self.trainer.weight_metas()))
         summary = {
@@ -395,12 +281,13 @@ class Controller:
 
 
 async def run(config: RunConfig, args: argparse.Namespace) -> None:
+    from rlmesh.learner.builder import build_controller
+
     setup_logging("learner", config.logging.level)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     port = args.port if args.port is not None else int(config.network.learner_address.rsplit(":", 1)[1])
-    controller = Controller(config, run_dir)
-    await controller.setup(port)
+    controller, server = await build_controller(config, run_dir, port)
     try:
         summary = await controller.train()
         from rlmesh.learner.metrics import plot_reward_curve
@@ -412,7 +299,7 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
         controller.metrics.close()
         controller.trained_log.close()
         controller.dropped_log.close()
-        await controller.server.stop(2.0)
+        await server.stop(2.0)
 
 
 def follow(config: RunConfig) -> None:

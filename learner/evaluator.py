@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from rlmesh.domain.pass_at_k import mean_pass_at_k
 from rlmesh.learner.data import Example
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import Entry, StreamQueue
+
+if TYPE_CHECKING:
+    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.reader import TrajectoryReader
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +36,26 @@ def reports_correctness(scored: list[common_pb2.Sample]) -> bool:
     """True when the environment gave a `correct` verdict on every episode it finished."""
     verdicts = [CORRECT in s.reward_components for s in scored if s.finish_reason != CUT_OFF]
     return bool(verdicts) and all(verdicts)
+
+
+def solved(sample: common_pb2.Sample) -> bool:
+    """A sampled completion counts for pass@k when its `correct` component (else its reward) is
+    at least 0.5 (else 1): an error or an episode cut off before a verdict never does."""
+    if sample.error or sample.finish_reason == CUT_OFF:
+        return False
+    if CORRECT in sample.reward_components:
+        return sample.reward_components[CORRECT] >= 0.5
+    return sample.reward >= 1.0
+
+
+def greedy_accuracy(results: list[common_pb2.Sample]) -> tuple[float, bool]:
+    """(accuracy, whether it is the environment's `correct` verdict rather than the mean reward)."""
+    scored = [s for s in results if not s.error]
+    has_signal = reports_correctness(scored)
+    # With a verdict, an episode cut off before it (no `correct` component) counts as wrong.
+    accuracy = sum(s.reward_components.get(CORRECT, 0.0) if has_signal else s.reward
+                   for s in scored) / max(len(results), 1)
+    return accuracy, has_signal
 
 
 def episode_stats(samples: list[common_pb2.Sample]) -> dict[str, float]:
@@ -50,62 +76,80 @@ class Round:
     size: int  # eval groups issued
     t0: float = field(default_factory=time.monotonic)
     results: list[common_pb2.Sample] = field(default_factory=list)
+    envs: list[str] = field(default_factory=list)  # the environment of each greedy result
+    sampled: list[tuple[str, int, int]] = field(default_factory=list)  # pass@k: (environment, n, correct)
     record: dict | None = None  # set when the last group is back
 
 
 class Evaluator:
     """Rounds are started (`start`) and completed by the eval groups offered back to them (`offer`),
     so a round can finish while the learner trains (the controller offers what it reads); `run` is
-    the blocking form, which also finishes every round still open. A finished round's record goes
-    to `on_record`."""
+    the blocking form, which reads through the learner's `TrajectoryReader` and also finishes every
+    round still open. A finished round's record goes to `metrics`."""
 
     def __init__(self, eval_set: list[Example], issuer: PromptIssuer, trajectories: StreamQueue,
-                 read: Callable[[], Awaitable[Arrivals]], between_reads: Callable[[], Awaitable[None]],
-                 on_record: Callable[[dict], None], *, check: Callable[[common_pb2.TrajectoryGroup], str],
-                 timeout_s: float = 600.0) -> None:
-        """`check` says why an eval group of an open round is malformed (or ""): such a group
-        counts in its round as a failed answer."""
+                 reader: TrajectoryReader, metrics: MetricsWriter, *,
+                 check: Callable[[common_pb2.TrajectoryGroup, int], str], timeout_s: float = 600.0,
+                 pass_k: list[int] | None = None, num_samples: int | None = None) -> None:
+        """`check(group, version)` says why an eval group of an open round is malformed (or ""),
+        with the learner at `version`: such a group counts in its round as a failed answer."""
         self.eval_set, self.issuer, self.trajectories = eval_set, issuer, trajectories
-        self.read, self.between_reads, self.on_record = read, between_reads, on_record
+        self.reader, self.metrics = reader, metrics
         self.check = check
+        self.first: dict | None = None  # the run's first record (kept in checkpoints across restarts)
         self.timeout_s = timeout_s
+        # pass@k (learner.eval_pass_k): each prompt also gets `num_samples` sampled completions.
+        self.pass_k = list(pass_k or [])
+        self.num_samples = num_samples or max(self.pass_k, default=0)
+        self.sampled_ids: set[str] = set()
         self.rounds: dict[str, Round] = {}  # eval group id -> its open round
 
     async def start(self, version: int) -> Round:
-        rnd = Round(version, len(self.eval_set))
+        rnd = Round(version, len(self.eval_set) * (2 if self.pass_k else 1))
         for ex in self.eval_set:
             group = self.issuer.prompt_group(ex, "eval", 1, version, greedy=True)
             await self.issuer.publish(group)
             self.rounds[group.group_id] = rnd
+            if self.pass_k:
+                sampled = self.issuer.prompt_group(ex, "eval", self.num_samples, version, greedy=False)
+                await self.issuer.publish(sampled)
+                self.rounds[sampled.group_id] = rnd
+                self.sampled_ids.add(sampled.group_id)
         if not self.eval_set:
             self._finish(rnd)
         return rnd
 
-    async def offer(self, entry: Entry, group: common_pb2.TrajectoryGroup) -> dict | None:
-        """An eval group read from the trajectory stream: acked, and counted in its round; returns
-        the round's record if this completed it. Groups of no open round (e.g. issued before a
-        restart, or forged) are only acked; a malformed one is a failed answer."""
+    async def offer(self, entry: Entry, group: common_pb2.TrajectoryGroup, version: int) -> dict | None:
+        """An eval group read from the trajectory stream (the learner at `version`): acked, and
+        counted in its round; returns the round's record if this completed it. Groups of no open
+        round (e.g. issued before a restart, or forged) are only acked; a malformed one is a failed
+        answer."""
         await self.trajectories.ack(entry.id)
         rnd = self.rounds.get(group.group_id)
         if rnd is None:
             return None
-        reason = self.check(group)
+        reason = self.check(group, version)
         del self.rounds[group.group_id]
         self.issuer.returned(group.group_id)
-        rnd.results.append(common_pb2.Sample(error=f"dropped: {reason}") if reason else group.samples[0])
-        return self._finish(rnd) if len(rnd.results) == rnd.size else None
+        if group.group_id in self.sampled_ids:
+            self.sampled_ids.discard(group.group_id)
+            rnd.sampled.append((group.prompt.env_name, self.num_samples,
+                                0 if reason else sum(solved(s) for s in group.samples[: self.num_samples])))
+        else:
+            rnd.results.append(common_pb2.Sample(error=f"dropped: {reason}") if reason else group.samples[0])
+            rnd.envs.append(group.prompt.env_name)
+        return self._finish(rnd) if len(rnd.results) + len(rnd.sampled) == rnd.size else None
 
     async def run(self, version: int, held_back: Arrivals) -> dict:
         """Evaluate at `version` and wait for it (and any round still open); train groups that
         arrive meanwhile are appended to `held_back`."""
         rnd = await self.start(version)
         while self.rounds:
-            await self.between_reads()
-            for entry, group in await self.read():
+            for entry, group in await self.reader.read(version):
                 if group.prompt.split == "train":
                     held_back.append((entry, group))
                 else:
-                    await self.offer(entry, group)
+                    await self.offer(entry, group, version)
             if time.monotonic() - rnd.t0 > self.timeout_s:
                 raise TimeoutError(f"{len(self.rounds)} eval groups not back after {self.timeout_s:.0f}s; "
                                    "is a rollout server running?")
@@ -114,17 +158,34 @@ class Evaluator:
 
     def _finish(self, rnd: Round) -> dict:
         rnd.record = self._record(rnd)
-        self.on_record(rnd.record)
+        if self.pass_k:
+            rnd.record.update(self._pass_at_k(rnd))
+        self.metrics.write(rnd.record)
+        if self.first is None:
+            self.first = rnd.record
         return rnd.record
+
+    def _pass_at_k(self, rnd: Round) -> dict:
+        """Greedy accuracy and pass@k per environment, and pass@k over every prompt (`pass@4`)."""
+        envs = sorted(set(rnd.envs) | {env for env, _, _ in rnd.sampled})
+        counts = {env: [(n, c) for e, n, c in rnd.sampled if e == env] for env in envs}
+        greedy = {env: [s for s, e in zip(rnd.results, rnd.envs) if e == env] for env in envs}
+        out: dict = {"num_samples": self.num_samples,
+                     "accuracy_by_env": {env: greedy_accuracy(greedy[env])[0] for env in envs},
+                     "pass_at_k": {env: {str(k): mean_pass_at_k(counts[env], k) for k in self.pass_k}
+                                   for env in envs if counts[env]}}
+        everything = [(n, c) for _, n, c in rnd.sampled]
+        for k in self.pass_k:
+            out[f"pass@{k}"] = mean_pass_at_k(everything, k) if everything else 0.0
+        log.info("held-out pass@k at version %d: %s", rnd.version,
+                 ", ".join(f"pass@{k} {out[f'pass@{k}']:.3f}" for k in self.pass_k))
+        return out
 
     @staticmethod
     def _record(rnd: Round) -> dict:
         results = rnd.results
         scored = [s for s in results if not s.error]
-        has_signal = reports_correctness(scored)
-        # With a verdict, an episode cut off before it (no `correct` component) counts as wrong.
-        accuracy = sum(s.reward_components.get(CORRECT, 0.0) if has_signal else s.reward
-                       for s in scored) / max(len(results), 1)
+        accuracy, has_signal = greedy_accuracy(results)
         versions = [v for s in results for v in (s.min_version, s.max_version)] or [rnd.version]
         record = {"kind": "eval", "version": rnd.version, "accuracy": accuracy,
                   "accuracy_source": "env_correct" if has_signal else "mean_reward",

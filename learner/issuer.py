@@ -80,6 +80,11 @@ class PromptIssuer:
             return issued
         return None
 
+    def resume(self, cursor: int, num_in_flight: int) -> None:
+        """After a restart: continue the train data at `cursor`, and count `num_in_flight` groups
+        that an earlier process issued (known only by number) as in flight until they come back."""
+        self.cursor, self.unknown_in_flight = cursor, num_in_flight
+
     def returned(self, group_id: str) -> None:
         """A group came back (to be trained, dropped or not)."""
         if self.outstanding.pop(group_id, None) is None:

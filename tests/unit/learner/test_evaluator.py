@@ -44,16 +44,14 @@ def evaluate(samples) -> dict:
     async def ack(entry_id):
         acked.append(entry_id)
 
-    async def read():
+    async def read(version):
+        assert version == 3
         out, issuer.published[:] = [(SimpleNamespace(id=g.group_id), g) for g in issuer.published], []
         return out
 
-    async def idle():
-        pass
-
     written = []
-    evaluator = Evaluator([EXAMPLE] * len(samples), issuer, SimpleNamespace(ack=ack), read, idle, written.append,
-                          check=lambda group: "")
+    evaluator = Evaluator([EXAMPLE] * len(samples), issuer, SimpleNamespace(ack=ack), SimpleNamespace(read=read),
+                          SimpleNamespace(write=written.append), check=lambda group, version: "")
     record = asyncio.run(evaluator.run(3, []))
     assert sorted(acked) == sorted(f"g{i}" for i in range(len(samples)))
     assert written == [record] and not evaluator.rounds
@@ -87,11 +85,11 @@ def test_a_round_started_beside_training_finishes_when_its_last_group_is_offered
     async def ack(entry_id):
         acked.append(entry_id)
 
-    async def never():
+    async def never(version):
         raise AssertionError("a round started beside training does not read by itself")
 
-    evaluator = Evaluator([EXAMPLE] * 2, issuer, SimpleNamespace(ack=ack), never, never, written.append,
-                          check=lambda group: "")
+    evaluator = Evaluator([EXAMPLE] * 2, issuer, SimpleNamespace(ack=ack), SimpleNamespace(read=never),
+                          SimpleNamespace(write=written.append), check=lambda group, version: "")
 
     async def scenario():
         await evaluator.start(7)
@@ -99,9 +97,9 @@ def test_a_round_started_beside_training_finishes_when_its_last_group_is_offered
         for g in (first, second):  # answered by a newer policy than the round's
             g.samples[0].min_version = g.samples[0].max_version = 8
         stray = common_pb2.TrajectoryGroup(group_id="old/eval/1", prompt=common_pb2.PromptGroup(split="eval"))
-        assert await evaluator.offer(SimpleNamespace(id="s"), stray) is None
-        assert await evaluator.offer(SimpleNamespace(id="a"), first) is None and written == []
-        return await evaluator.offer(SimpleNamespace(id="b"), second)
+        assert await evaluator.offer(SimpleNamespace(id="s"), stray, 8) is None
+        assert await evaluator.offer(SimpleNamespace(id="a"), first, 8) is None and written == []
+        return await evaluator.offer(SimpleNamespace(id="b"), second, 8)
 
     record = asyncio.run(scenario())
     assert written == [record] and not evaluator.rounds and acked == ["s", "a", "b"]

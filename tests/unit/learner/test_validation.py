@@ -3,6 +3,7 @@ admitted; everything else is acked and written to the dropped log with its reaso
 group id changes no count. Real issuer, admission and evaluator; a recording fake for the stream."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -181,8 +182,8 @@ async def test_groups_of_an_earlier_process_of_this_run_are_accepted_once_after_
 async def test_an_eval_group_with_no_samples_is_a_failed_answer_not_a_crash():
     issuer, admission, _ = await _setup()
     records = []
-    evaluator = Evaluator(EXAMPLES[:2], issuer, admission.trajectories, None, None, records.append,
-                          check=lambda g: admission.check(g, 2))
+    evaluator = Evaluator(EXAMPLES[:2], issuer, admission.trajectories, reader=None,
+                          metrics=SimpleNamespace(write=records.append), check=admission.check)
     await evaluator.start(2)
     eval_groups = [common_pb2.PromptGroup.FromString(d) for _, d in issuer.prompts.published[-2:]]
     empty = trajectory(eval_groups[0], 2)
@@ -191,10 +192,18 @@ async def test_an_eval_group_with_no_samples_is_a_failed_answer_not_a_crash():
     good.samples[0].reward = 1.0
     forged = trajectory(eval_groups[1], 2)
     forged.group_id = forged.prompt.group_id = "run-a/eval/77/x"
-    assert await evaluator.offer(_entry(forged), forged) is None  # no round of its own: only acked
-    assert await evaluator.offer(_entry(empty), empty) is None
-    record = await evaluator.offer(_entry(good), good)
+    assert await evaluator.offer(_entry(forged), forged, 2) is None  # no round of its own: only acked
+    assert await evaluator.offer(_entry(empty), empty, 2) is None
+    record = await evaluator.offer(_entry(good), good, 2)
     assert record is not None and record["num_prompts"] == 2 and record["num_errors"] == 1
     assert record["accuracy"] == 0.5
     assert "0 samples, issued for 1" in admission.dropped_log.rows[-1]["reason"]
     assert issuer.in_flight == 4, "eval groups never count as train groups in flight"
+
+
+async def test_an_entry_that_is_no_trajectory_group_is_dropped_on_record():
+    _, admission, _ = await _setup()
+    await admission.drop_undecodable(Entry(id="e-x", key="garbage", data=b"\xff"), ValueError("bad wire type"))
+    assert admission.trajectories.acked == ["e-x"] and admission.num_dropped_invalid == 1
+    assert admission.dropped_log.rows == [{"entry_id": "e-x", "group_id": "garbage", "invalid": True,
+                                           "reason": "not a TrajectoryGroup (bad wire type)"}]
