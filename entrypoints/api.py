@@ -162,8 +162,9 @@ def reward_fn_import_path(fn: Callable[..., Any] | str) -> tuple[str, Path | Non
     return f"{module_name}:{qualname}", Path(file).resolve().parents[depth]
 
 
-def _check_callbacks(callbacks: Iterable[Any]) -> list[Any]:
-    out = list(callbacks)
+def _check_callbacks(callbacks: Iterable[Any] | Callback) -> list[Any]:
+    is_one = callable(getattr(callbacks, "on_step_end", None)) or callable(getattr(callbacks, "on_eval", None))
+    out = [callbacks] if is_one else list(callbacks)
     for cb in out:
         if not (callable(getattr(cb, "on_step_end", None)) or callable(getattr(cb, "on_eval", None))):
             raise TypeError(f"callback {cb!r} has neither on_step_end(step, metrics) nor on_eval(version, record); "
@@ -205,7 +206,7 @@ class _Dispatcher:
 
 
 def train(config: ConfigLike = None, *, reward_fn: Callable[..., Any] | str | None = None,
-          callbacks: Iterable[Callback | Any] = (), overrides: Overrides = None, **kw_overrides: Any) -> RunResult:
+          callbacks: Iterable[Callback | Any] | Callback = (), overrides: Overrides = None, **kw_overrides: Any) -> RunResult:
     """Run RL training on the whole mesh as local processes, as `rlmesh up` does, and return its result.
 
     config: a YAML path, a mapping shaped like one, a RunConfig, or None for the built-in defaults
@@ -216,11 +217,12 @@ def train(config: ConfigLike = None, *, reward_fn: Callable[..., Any] | str | No
         level of a module or script; a script must call `train` under `if __name__ == "__main__":`,
         because the reward server imports it. A 'package.module:function' string works too.
     callbacks: objects with `on_step_end(step, metrics)` and/or `on_eval(version, record)` (see
-        Callback), called in this process as the run goes; either can stop the run early.
+        Callback; one object or several), called in this process as the run goes; either can
+        stop the run early.
     overrides, **kw_overrides: dotted overrides, `overrides={"learner.num_steps": 20}`,
         `overrides=["learner.num_steps=20"]` or `learner__num_steps=20`.
 
-    Raises ConfigError for a bad config, TypeError for a reward_fn that cannot be imported by name,
+    Raises ConfigError (rlmesh.services.config) for a bad config, TypeError for a reward_fn that cannot be imported by name,
     RuntimeError when the run fails (the message quotes the failing service's log), and
     KeyboardInterrupt on Ctrl-C (every service is stopped in all cases).
     """

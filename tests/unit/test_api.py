@@ -208,11 +208,13 @@ def test_a_callback_error_other_than_stop_propagates(tmp_path):
     assert stop_requested(tmp_path) is None
 
 
-def test_an_object_without_hooks_is_not_a_callback():
+def test_callbacks_are_objects_with_hooks():
     from rlmesh.entrypoints.api import _check_callbacks
 
     with pytest.raises(TypeError, match="subclass rlmesh.Callback"):
         _check_callbacks([object()])
+    one = Recorder()
+    assert _check_callbacks(one) == [one]  # one callback need not be wrapped in a list
 
 
 def test_stop_request_round_trip(tmp_path):
