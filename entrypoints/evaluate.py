@@ -121,7 +121,7 @@ def table(record: dict) -> str:
             for env, acc in sorted(by_env.items())]
     rows.append(["all", f"{record['accuracy']:.3f}", *(f"{record[f'pass@{k}']:.3f}" for k in ks)])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in [header, *rows])
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
 def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
