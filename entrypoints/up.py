@@ -327,7 +327,13 @@ class _Tail:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        rows = []
+        for line in data[:end].splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # the torn last line of a writer that was killed, joined to the next one's first
+        return rows
 
 
 def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,

@@ -296,6 +296,20 @@ def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(
     assert rec.steps == [1, 2, 3, 4, 5] and rec.evals == [(0, 0.25), (5, 0.75)]
 
 
+def test_the_launcher_reads_complete_new_rows_once_and_skips_a_torn_one(tmp_path):
+    from rlmesh.entrypoints.up import _Tail
+
+    path = tmp_path / "metrics.jsonl"
+    tail = _Tail(path)
+    assert tail.rows() == []
+    path.write_text('{"a": 1}\n{"b": ')
+    assert tail.rows() == [{"a": 1}]  # a line being written waits
+    with path.open("a") as f:
+        f.write('2}\n{"kind": "tr' + '{"c": 3}\n{"d": 4}\n')  # a writer killed mid-line, then restarted
+    assert tail.rows() == [{"b": 2}, {"d": 4}]
+    assert tail.rows() == []
+
+
 # --- the package root --------------------------------------------------------------------------
 
 def test_import_rlmesh_is_light_and_help_works():
