@@ -55,7 +55,8 @@ def sample_problems(sample: common_pb2.Sample, num_prompt_tokens: int, version: 
     rewards = {"reward": sample.reward, **{f"component {k!r}": v for k, v in sample.reward_components.items()}}
     for name, value in rewards.items():
         if not (math.isfinite(value) and abs(value) <= bounds.max_abs_reward):
-            return f"{where}: {name} {value} is not finite or beyond +/-{bounds.max_abs_reward:g} (reward.max_abs_reward)"
+            return (f"{where}: {name} {value} is not finite or beyond +/-{bounds.max_abs_reward:g} "
+                    "(reward.max_abs_reward)")
     if not issued_at <= sample.min_version <= sample.max_version <= version:
         return (f"{where}: versions {sample.min_version}..{sample.max_version} are not within the group's issue "
                 f"version {issued_at} and the learner's version {version}")

@@ -189,7 +189,8 @@ def _flow(policies, src: str, dst: str, port: int, src_ns: str = "rlmesh") -> bo
 
 def test_network_policies_deny_by_default_and_allow_exactly_the_flows_each_port_needs(rendered):
     policies = [d for d in rendered if d["kind"] == "NetworkPolicy"]
-    deny = [p for p in policies if p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    deny = [p for p in policies if p["spec"]["podSelector"] == {}
+            and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
             and not p["spec"].get("ingress") and not p["spec"].get("egress")]
     assert deny, "a default-deny policy for every pod, both directions"
     needed = [("rlmesh-rollout", "rlmesh-learner", 50051), ("rlmesh-rollout", "rlmesh-learner", 29500),
@@ -213,7 +214,8 @@ def test_network_policies_deny_by_default_and_allow_exactly_the_flows_each_port_
         assert not _flow(policies, "rlmesh-rollout", dst, port, src_ns="default"), f"another namespace reaches {dst}"
     assert _flow(policies, "keda-operator", "rlmesh-valkey", 6379, src_ns="keda"), "KEDA reads the stream lag"
     for app in (*APPS, "rlmesh-prepare"):
-        assert _allowed(policies, "out", {"app": app}, {"k8s-app": "kube-dns"}, "kube-system", 53), f"{app} resolves names"
+        dns = {"k8s-app": "kube-dns"}
+        assert _allowed(policies, "out", {"app": app}, dns, "kube-system", 53), f"{app} resolves names"
 
 
 def test_compose_requires_the_token_and_the_queue_password():
