@@ -10,7 +10,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
                                     JsonlDataSection)
@@ -206,7 +206,9 @@ def load_dataset(cfg: DataSection, seed: int) -> tuple[TrainData, list[Example]]
 
         return load_hf(cfg, seed)
     if isinstance(cfg, ArithmeticDataSection):
-        return _arithmetic(cfg, seed)
-    if isinstance(cfg, CalculatorDataSection):
-        return _calculator(cfg, seed)
-    return _jsonl(cfg.train_path, cfg), _jsonl(cfg.eval_path, cfg)
+        train, evals = _arithmetic(cfg, seed)
+    elif isinstance(cfg, CalculatorDataSection):
+        train, evals = _calculator(cfg, seed)
+    else:
+        train, evals = _jsonl(cfg.train_path, cfg), _jsonl(cfg.eval_path, cfg)
+    return TrainOrder(train), evals
