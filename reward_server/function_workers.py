@@ -75,7 +75,12 @@ class _Worker:
             close_fds=True)
         self._buf = b""
         self.busy_since: float | None = None
-        ready = self.read(time.monotonic() + limits.start_timeout_s)
+        try:
+            ready = self.read(time.monotonic() + limits.start_timeout_s)
+        except (TimeoutError, WorkerDied, ValueError) as err:
+            self.kill()
+            raise ValueError(f"reward function {path!r}: its worker did not start "
+                             f"({err or f'no answer in {limits.start_timeout_s:g}s'})") from None
         if "error" in ready:
             self.kill()
             raise ValueError(ready["error"])
@@ -182,6 +187,9 @@ class FunctionWorkerPool:
             self._replace(worker, f"died ({err})")
             return {"error": f"its worker died ({err}): over reward.function_cpu_s={self.limits.cpu_s:g} CPU "
                              "seconds, or crashed; replaced"}
+        except ValueError as err:  # not a JSON line: the function wrote into the answer pipe
+            self._replace(worker, f"broke the answer protocol ({err})")
+            return {"error": f"its worker wrote something that is not an answer ({err}); replaced"}
         if answer.pop("exit", False):  # it hit the memory limit and is exiting: state may be broken
             self._replace(worker, "hit its memory limit")
         else:

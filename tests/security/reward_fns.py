@@ -32,3 +32,13 @@ def secrets_seen(prompt, completion, metadata):
 
 def ok(prompt, completion, metadata):
     return {"reward": 1.0, "pid": float(os.getpid())}
+
+
+def scribbler(prompt, completion, metadata):
+    """Writes junk into every file descriptor it can find (the answer pipe among them)."""
+    for fd in range(3, 16):
+        try:
+            os.write(fd, b"not an answer\n")
+        except OSError:
+            pass
+    return 1.0

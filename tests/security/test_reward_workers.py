@@ -164,3 +164,14 @@ def test_a_function_that_cannot_be_imported_fails_at_start_up_naming_it():
         FunctionWorkerPool("bad", "no_such_module:fn", WorkerLimits(num_workers=1))
 
 
+
+
+def test_a_function_that_writes_into_the_answer_pipe_fails_its_item_and_its_worker_is_replaced():
+    from rlmesh.reward_server.function_workers import FunctionWorkerPool
+
+    pool = FunctionWorkerPool("scribbler", f"{FNS}:scribbler", WorkerLimits(num_workers=1, timeout_s=10.0))
+    try:
+        answer = pool.call({"prompt": [], "completion": "x", "metadata": {}})
+        assert "not an answer" in answer["error"] and pool.num_replaced == 1
+    finally:
+        pool.close()
