@@ -204,7 +204,7 @@ class RolloutSection(Section):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling."""
+    """Nucleus sampling; only 1 is accepted (see the validator: truncated-distribution logprobs bias the importance ratio)."""
     max_tokens: int = Field(16, ge=1)
     """Completion length cap."""
     max_n: int = Field(256, ge=1)
@@ -223,6 +223,18 @@ class RolloutSection(Section):
     """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND): '0', '0-3' or 'auto'."""
     episode: EpisodeSection = EpisodeSection()
     """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _untruncated(cls, top_p: float) -> float:
+        if top_p < 1:
+            raise ValueError(
+                f"rollout.top_p={top_p} is refused: vLLM returns logprobs of the truncated (renormalised) distribution "
+                "while the learner scores the full one, so pi_old / pi_behaviour is biased below 1 on every sampled "
+                "token (by the kept mass), and the off-policy correction (algorithm.off_policy) weights every token "
+                "by that bias; set rollout.top_p=1 and lower rollout.temperature to sharpen sampling instead"
+            )
+        return top_p
 
 
 class McpEnvironmentSection(Section):
@@ -519,6 +531,32 @@ class DPOSection(Section):
     """Evaluate on the held-out pairs every N steps (0: only before and after)."""
 
 
+class OffPolicySection(Section):
+    mode: Literal["tis", "icepop", "seq_mask", "seq_tis"] = "tis"
+    """Correction for pi_old / pi_behaviour (staleness, train/inference mismatch): `tis` token weight min(ratio, algorithm.tis_cap); `icepop` token weight = ratio inside [low, high], 0 outside; `seq_mask` sequence weight = the sequence's ratio inside [low, high], 0 (the sequence dropped) outside; `seq_tis` sequence weight min(sequence ratio, algorithm.tis_cap)."""
+    low: float = Field(0.5, ge=0)
+    """Lower edge of the ratio band of `icepop` and `seq_mask`."""
+    high: float = Field(2.0, gt=0)
+    """Upper edge of the ratio band of `icepop` and `seq_mask`."""
+    seq_ratio: Literal["geometric_mean", "product"] = "geometric_mean"
+    """A sequence's ratio for `seq_mask` / `seq_tis`: exp(mean token log-ratio), independent of length, or exp(sum), the product of token ratios (TRL's `sequence_*` modes)."""
+
+    @model_validator(mode="after")
+    def _band(self) -> "OffPolicySection":
+        if self.low >= self.high:
+            raise ValueError(f"algorithm.off_policy.low={self.low} must be below algorithm.off_policy.high={self.high}")
+        return self
+
+
+class KLSection(Section):
+    coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy (the frozen starting model); 0: off, no reference model is built."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(pi || pi_ref) on sampled tokens, d = log pi - log pi_ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d."""
+    where: Literal["loss", "reward"] = "loss"
+    """`loss`: coef * estimator(pi_theta, pi_ref) added to each token's loss (differentiated); `reward`: coef * the summed estimator of the sampled sequence under the behaviour policy subtracted from its reward before advantages."""
+
+
 class AlgorithmSection(Section):
     name: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
     """Policy-gradient family member (sets advantage and loss normalisation)."""
@@ -531,11 +569,15 @@ class AlgorithmSection(Section):
     clip_high: float = Field(0.2, ge=0)
     """PPO ratio clip above 1 (DAPO's clip-higher raises it)."""
     tis_cap: float = Field(2.0, ge=1)
-    """Truncated importance sampling cap on pi_old / pi_behaviour."""
+    """Truncated importance sampling cap on pi_old / pi_behaviour (per token for off_policy.mode=tis, per sequence for seq_tis)."""
     drop_zero_advantage_groups: bool = False
     """Skip groups whose rewards are all equal (DAPO dynamic sampling)."""
     recompute_old_logprobs: bool = False
     """pi_old (the PPO ratio's denominator, the TIS weight's numerator) from a separate no-grad forward before the step (true), or from the training forward itself, detached (false): the same values while each batch gets exactly one optimizer step, as here, for one forward less per step. Set true for a model with dropout."""
+    off_policy: OffPolicySection = OffPolicySection()
+    """How the behaviour policy's (vLLM's) logprobs correct the loss."""
+    kl: KLSection = KLSection()
+    """KL penalty to a frozen copy of the starting policy."""
 
 
 class QueueSection(Section):
@@ -700,6 +742,12 @@ class RunConfig(Section):
             raise ValueError(
                 f"queue.max_len={self.queue.max_len} is below the in-flight bound "
                 f"(algorithm.max_staleness + 1) * learner.groups_per_step; raise queue.max_len"
+            )
+        if self.algorithm.kl.coef > 0 and self.learner.backend.type != "fsdp2":
+            raise ValueError(
+                f"algorithm.kl.coef={self.algorithm.kl.coef} needs a reference model, and the "
+                f"{self.learner.backend.type} backend does not build one yet (missing: a frozen, sharded copy of the "
+                "starting model and its logprobs pass); use learner.backend.type=fsdp2 or algorithm.kl.coef=0"
             )
         return self
 

@@ -17,6 +17,7 @@ class Sequence:
     behaviour_logprobs: list[float] = field(default_factory=list)
     advantage: float = 0.0
     group_key: str = ""
+    reward: float = 0.0
 
 
 @dataclass
@@ -28,6 +29,9 @@ class MicroBatch:
     behaviour_logprobs_BT: torch.Tensor
     advantages_B: torch.Tensor
     old_logprobs_BT: torch.Tensor | None = None
+    ref_logprobs_BT: torch.Tensor | None = None
+    # Each row's index in the step's whole batch (empty for a padding micro-batch).
+    seq_index_B: list[int] = field(default_factory=list)
     # Normaliser shared by every micro-batch of a step (tokens or sequences in the whole step).
     num_loss_tokens_in_step: float = 1.0
     num_seqs_in_step: float = 1.0
@@ -71,7 +75,11 @@ def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world
     per_rank = -(-len(seqs) // world_size)
     local = seqs[rank * per_rank : (rank + 1) * per_rank]
     num_micro = max(-(-per_rank // size), 1)
-    micros = [pack(local[i : i + size], pad_id) for i in range(0, len(local), size)]
+    micros = []
+    for i in range(0, len(local), size):
+        micro = pack(local[i : i + size], pad_id)
+        micro.seq_index_B = list(range(rank * per_rank + i, rank * per_rank + i + len(micro.advantages_B)))
+        micros.append(micro)
     micros += [padding_micro(pad_id) for _ in range(num_micro - len(micros))]
     for m in micros:
         m.num_loss_tokens_in_step = num_tokens

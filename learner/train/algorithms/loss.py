@@ -3,8 +3,10 @@
 Three policies meet here: pi_behaviour (what vLLM sampled with, possibly several versions old),
 pi_old (the learner's weights at the start of this step: recomputed by a no-grad forward, or the
 training forward's own logprobs, detached) and pi_theta (being trained).
-The PPO ratio pi_theta / pi_old is clipped as usual; the truncated importance weight
-min(pi_old / pi_behaviour, tis_cap) corrects for staleness and train/inference mismatch (TIS)."""
+The PPO ratio pi_theta / pi_old is clipped as usual; the off-policy weight from pi_old / pi_behaviour
+(`off_policy.py`: truncated per token by default, TIS) corrects for staleness and train/inference
+mismatch. With `kl_coef` > 0 and `kl_where` = loss, coef * KL(pi_theta || pi_ref) per token (a
+frozen reference policy's logprobs, `kl.py`) joins each token's loss."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmesh.learner.train.algorithms.kl import kl_estimate
+from rlmesh.learner.train.algorithms.off_policy import OffPolicyConfig, off_policy_weights
 from rlmesh.learner.train.batch import MicroBatch
 
 
@@ -25,6 +29,12 @@ class LossConfig:
     old_from_forward: bool = False
     """pi_old = this forward's logprobs, detached, where none were recomputed (exact while a batch
     gets one optimizer step: every micro-batch's forward runs on the weights the step started from)."""
+    off_policy: OffPolicyConfig | None = None
+    """The off-policy correction; None: token-level TIS capped at `tis_cap`."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_loss: bool = False
+    """Add kl_coef * estimator(pi_theta, pi_ref) to each token's loss (needs micro.ref_logprobs_BT)."""
 
 
 def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -36,7 +46,8 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
     adv_B1 = micro.advantages_B[:, None]
 
     log_ratio_BT = (logprobs_BT - old_BT) * mask_BT
-    tis_BT = torch.exp((old_BT - micro.behaviour_logprobs_BT) * mask_BT).clamp(max=cfg.tis_cap).detach()
+    off_cfg = cfg.off_policy or OffPolicyConfig(tis_cap=cfg.tis_cap)
+    tis_BT, dropped_BT = off_policy_weights(old_BT, micro.behaviour_logprobs_BT, mask_BT, off_cfg)
 
     if cfg.algorithm == "gspo":
         # Sequence-level ratio: geometric mean of token ratios, clipped per sequence.
@@ -47,6 +58,10 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
         ratio_BT = torch.exp(log_ratio_BT)
     clipped_BT = ratio_BT.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     per_token_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1) * tis_BT * mask_BT
+    if cfg.kl_in_loss:
+        assert micro.ref_logprobs_BT is not None, "reference logprobs must be computed before the step"
+        kl_BT = kl_estimate(logprobs_BT, micro.ref_logprobs_BT, cfg.kl_estimator)
+        per_token_BT = per_token_BT + cfg.kl_coef * kl_BT * mask_BT
 
     # Normalisers span the whole step so micro-batch splits do not change the gradient.
     if cfg.algorithm in ("dapo",):
@@ -64,6 +79,10 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
             "mismatch_kl": float(((torch.exp(-diff_BT) - 1 + diff_BT) * mask_BT).sum() / n),
             "mismatch_abs_logprob": float(diff_BT.abs().sum() / n),
             "tis_truncated_frac": float(((torch.exp(-diff_BT) > cfg.tis_cap).float() * mask_BT).sum() / n),
+            # Loss tokens the off-policy mode dropped (icepop, seq_mask; 0 for the truncating modes).
+            "off_policy_masked_frac": float(dropped_BT.float().sum() / n),
             "clip_frac": float((((ratio_BT - clipped_BT).abs() > 1e-6).float() * mask_BT).sum() / n),
         }
+        if cfg.kl_in_loss:
+            metrics["kl_ref"] = float((kl_BT * mask_BT).sum() / n)
     return loss, metrics

@@ -28,6 +28,9 @@ class TrainingBackend(Protocol):
     def compute_logprobs(self, micro: MicroBatch, temperature: float) -> torch.Tensor:
         """Per-token logprobs [B, T-1] of the targets, without gradient, on CPU."""
 
+    def reference_logprobs(self, micro: MicroBatch, temperature: float) -> torch.Tensor:
+        """Like `compute_logprobs`, from the frozen starting policy (the KL reference); a collective."""
+
     def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float) -> dict[str, float]:
         """Accumulate gradients over this rank's `micros` (normalisers span the whole step on all
         ranks), so the update equals a single-rank step over every rank's micro-batches; clip, step

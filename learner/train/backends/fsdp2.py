@@ -25,25 +25,32 @@ log = logging.getLogger(__name__)
 class FSDP2Backend:
     def __init__(self, model_path: str, *, lr: float, weight_decay: float, max_grad_norm: float,
                  param_dtype: str = "float32", seed: int = 0) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.rank, self.world_size = init_distributed()
         self.dp_rank, self.dp_size = self.rank, self.world_size  # FSDP2 shards only: every rank is a replica
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        model.to(self.device)
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        self.model = model
+        self.model_path, self.param_dtype = model_path, param_dtype
+        self.model = model = self._sharded_model()
+        # The KL penalty's frozen reference policy: built on first use (algorithm.kl.coef > 0).
+        self.reference: torch.nn.Module | None = None
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
-    def _logprobs(self, micro: MicroBatch, temperature: float) -> torch.Tensor:
+    def _sharded_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.to(self.device)
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.param_dtype), reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+
+    def _logprobs(self, micro: MicroBatch, temperature: float, model: torch.nn.Module | None = None) -> torch.Tensor:
         input_ids = micro.input_ids_BT.to(self.device)
-        logits_BTV = self.model(input_ids=input_ids, attention_mask=micro.attention_mask_BT.to(self.device)).logits
+        model = self.model if model is None else model
+        logits_BTV = model(input_ids=input_ids, attention_mask=micro.attention_mask_BT.to(self.device)).logits
         logits_BTV = logits_BTV[:, :-1].float() / temperature
         targets_BT = input_ids[:, 1:]
         # log_softmax gathered at the target = -cross_entropy, without materialising [B,T,V] twice.
@@ -55,6 +62,15 @@ class FSDP2Backend:
     def compute_logprobs(self, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
         self.model.eval()
         return self._logprobs(micro, temperature).cpu()
+
+    @torch.no_grad()
+    def reference_logprobs(self, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+        if self.reference is None:
+            # The starting model again, sharded the same way, without gradients or optimizer state;
+            # after a resume it is rebuilt from the same path, so it stays the run's starting policy.
+            self.reference = self._sharded_model().eval().requires_grad_(False)
+            log.info("reference policy for the KL penalty loaded from %s", self.model_path)
+        return self._logprobs(micro, temperature, self.reference).cpu()
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -19,12 +19,21 @@ class Objective(Protocol):
     name: str
     needs_old_logprobs: bool
     """Recompute the learner's own logprobs (pi_old) before the step, for ratio-based losses."""
+    needs_ref_logprobs: bool
+    """Compute the frozen reference policy's logprobs (`micro.ref_logprobs_BT`) before the step (KL penalty)."""
+    kl_in_reward: bool
+    """The KL penalty goes into the rewards: `reshape_advantages` is called with each sequence's KL before the step
+    (such an objective also names its `kl_estimator`: k1, k2 or k3)."""
     temperature: float
     """Temperature the policy's logprobs are taken at: the sampling temperature for RL, 1 for data."""
 
     def sequences(self, batch: list[Any]) -> list[Sequence]:
         """One step's sequences from what the loop collected (rank 0 only): trajectory groups for
         the GRPO family, dataset examples for SFT and DPO."""
+
+    def reshape_advantages(self, seqs: list[Sequence], kl_B: torch.Tensor) -> None:
+        """Subtract the penalty from each sequence's reward and recompute the advantages (only where
+        `kl_in_reward`); `kl_B` is each sequence's summed KL estimate, in `seqs` order, on every rank."""
 
     def loss(self, logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch, normalised by the whole step's counts (micro-batch invariant)."""
@@ -40,5 +49,40 @@ def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence
     if objective.needs_old_logprobs:
         for m in micros:
             m.old_logprobs_BT = backend.compute_logprobs(m, objective.temperature)
+    extra: dict[str, float] = {}
+    if objective.needs_ref_logprobs:
+        for m in micros:
+            m.ref_logprobs_BT = backend.reference_logprobs(m, objective.temperature)
+        if objective.kl_in_reward:
+            extra = reward_kl(backend, objective, seqs, micros)
     backend.set_lr(lr)
-    return {**backend.train_step(micros, objective.loss, objective.temperature), "lr": lr}
+    return {**backend.train_step(micros, objective.loss, objective.temperature), **extra, "lr": lr}
+
+
+def reward_kl(backend: TrainingBackend, objective: Objective, seqs: list[Sequence],
+              micros: list[MicroBatch]) -> dict[str, float]:
+    """Each sequence's KL(behaviour || reference) summed over its loss tokens (the policy that
+    sampled it, so no extra forward), gathered from every data-parallel rank; the objective turns it
+    into a reward penalty and new advantages, the same on every rank, written into `micros`."""
+    import torch
+    import torch.distributed as dist
+
+    from rlmesh.learner.train.algorithms.kl import kl_estimate
+
+    kl_B = torch.zeros(len(seqs), dtype=torch.float64)
+    for m in micros:
+        if m.is_padding:
+            continue
+        kl_BT = kl_estimate(m.behaviour_logprobs_BT, m.ref_logprobs_BT, objective.kl_estimator)
+        kl_B[m.seq_index_B] = (kl_BT * m.loss_mask_BT).sum(-1).double()
+    if backend.dp_size > 1:
+        # Each sequence lives on one rank; the others hold 0 for it. Data-parallel ranks only:
+        # tensor-parallel peers hold the same rows (FSDP2, the one backend with a reference, is all data-parallel).
+        assert backend.dp_size == backend.world_size, "reward KL needs a data-parallel-only backend"
+        dist.all_reduce(kl_B)
+    objective.reshape_advantages(seqs, kl_B)
+    for m in micros:
+        if not m.is_padding:
+            m.advantages_B = torch.tensor([seqs[i].advantage for i in m.seq_index_B], dtype=torch.float32)
+    num_tokens = sum(sum(1 for x in s.loss_mask if x) for s in seqs) or 1
+    return {"kl_ref": float(kl_B.sum()) / num_tokens}

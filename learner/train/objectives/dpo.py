@@ -57,6 +57,8 @@ def dpo_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, beta: float, sft_weig
 class DPOObjective:
     name = "dpo"
     needs_old_logprobs = False
+    needs_ref_logprobs = False
+    kl_in_reward = False
     temperature = 1.0
 
     def __init__(self, codec: ChatCodec, beta: float, sft_weight: float = 0.0) -> None:

@@ -1,5 +1,6 @@
 """The GRPO family as an objective: group-relative advantages from trajectory groups, and the
-clipped policy-gradient loss with off-policy correction (`rlmesh.learner.train.algorithms`)."""
+clipped policy-gradient loss with off-policy correction and an optional KL penalty to the frozen
+starting policy (`rlmesh.learner.train.algorithms`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from rlmesh.learner.train.algorithms.advantages import group_advantages
 from rlmesh.learner.train.algorithms.loss import LossConfig, policy_loss
+from rlmesh.learner.train.algorithms.off_policy import OffPolicyConfig
 from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 if TYPE_CHECKING:
@@ -23,8 +25,15 @@ class GRPOObjective:
         self.temperature = temperature
         # Without the recompute, the loss takes pi_old from the training forward (detached).
         self.needs_old_logprobs = cfg.recompute_old_logprobs
+        self.needs_ref_logprobs = cfg.kl.coef > 0
+        self.kl_in_reward = self.needs_ref_logprobs and cfg.kl.where == "reward"
+        self.kl_coef, self.kl_estimator = cfg.kl.coef, cfg.kl.estimator
+        off = cfg.off_policy
         self.cfg = LossConfig(cfg.name, cfg.clip_low, cfg.clip_high, cfg.tis_cap, max_tokens,
-                              old_from_forward=not cfg.recompute_old_logprobs)
+                              old_from_forward=not cfg.recompute_old_logprobs,
+                              off_policy=OffPolicyConfig(off.mode, cfg.tis_cap, off.low, off.high, off.seq_ratio),
+                              kl_coef=cfg.kl.coef, kl_estimator=cfg.kl.estimator,
+                              kl_in_loss=self.needs_ref_logprobs and cfg.kl.where == "loss")
 
     @classmethod
     def from_config(cls, config: RunConfig) -> GRPOObjective:
@@ -39,8 +48,20 @@ class GRPOObjective:
             adv = group_advantages(torch.tensor([s.reward for s in valid]), self.name)
             for s, a in zip(valid, adv.tolist()):
                 seqs.append(Sequence(list(g.prompt_token_ids), list(s.completion.token_ids),
-                                     list(s.completion.loss_mask), list(s.logprobs), a, g.group_id))
+                                     list(s.completion.loss_mask), list(s.logprobs), a, g.group_id, s.reward))
         return seqs
+
+    def reshape_advantages(self, seqs: list[Sequence], kl_B: torch.Tensor) -> None:
+        """reward - kl_coef * KL, then the group-relative advantages again (groups are contiguous)."""
+        start = 0
+        while start < len(seqs):
+            stop = start
+            while stop < len(seqs) and seqs[stop].group_key == seqs[start].group_key:
+                stop += 1
+            rewards = torch.tensor([s.reward for s in seqs[start:stop]]) - self.kl_coef * kl_B[start:stop].float()
+            for s, a in zip(seqs[start:stop], group_advantages(rewards, self.name).tolist()):
+                s.advantage = a
+            start = stop
 
     def loss(self, logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logprobs_BT, micro, self.cfg)

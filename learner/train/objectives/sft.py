@@ -56,6 +56,8 @@ def sft_loss(logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor
 class SFTObjective:
     name = "sft"
     needs_old_logprobs = False
+    needs_ref_logprobs = False
+    kl_in_reward = False
     temperature = 1.0
 
     def __init__(self, codec: ChatCodec, rng: random.Random, label_noise: float = 0.0) -> None:
