@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="health service name (default: the whole server)")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
 
+    status = sub.add_parser("status", help="a live terminal view of a running mesh: tier health, policy version, "
+                                           "queues, step time, reward, staleness")
+    status.add_argument("run_dir", metavar="RUN_DIR", help="the run directory `rlmesh up` printed")
+    status.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    status.add_argument("--every", type=float, default=2.0, help="seconds between redraws")
+    status.add_argument("--timeout", type=float, default=2.0, help="seconds each health or status call may take")
+
     tls = sub.add_parser("tls-init", help="write a throw-away CA and a certificate per tier for mutual TLS "
                                           "(network.tls.*_file with {tier})")
     tls.add_argument("--output", required=True, help="directory for ca.crt, <tier>.crt and <tier>.key")
@@ -107,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return _health(args)
     if args.command == "tls-init":
         return _tls_init(args)
+    if args.command == "status":
+        from rlmesh.entrypoints.status import run_status
+
+        return run_status(args)
     from rlmesh.services.config import ConfigError, load_config
 
     try:

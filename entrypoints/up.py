@@ -117,9 +117,10 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
     """`rlmesh up`; also the body of `rlmesh.train`, which passes `on_row` (called with every new
     metrics.jsonl row, in order, as the run goes) and `env` (extra environment of every service)."""
     from rlmesh.learner.stop import clear_requests, mark_seen
+    from rlmesh.services.prom import RUN_DIR_ENV
     from rlmesh.services.telemetry import setup_logging
 
-    setup_logging("up", config.logging.level)
+    setup_logging("up", config.logging.level, fmt=config.logging.format)
     run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
@@ -128,7 +129,8 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
     if on_row is not None:
         mark_seen(run_dir, 0)  # the learner waits for the callbacks to see each step before the next
     print(f"rlmesh up: run directory {run_dir}", flush=True)
-    mesh = Mesh(run_dir, env)
+    # Services write their metrics ports (and span files) into the run directory.
+    mesh = Mesh(run_dir, {**(env or {}), RUN_DIR_ENV: str(run_dir)})
     interrupted = False
 
     def on_signal(signum, frame):  # noqa: ARG001

@@ -28,6 +28,8 @@ from rlmesh.services.queue import connect_queue, run_streams
 
 if TYPE_CHECKING:
     from rlmesh.learner.broadcast import TorchRunner
+    from rlmesh.learner.metrics import Tracker
+    from rlmesh.services.queue import StreamQueue
     from rlmesh.services.config import RunConfig
     from rlmesh.services.grpc_server import Server
 
@@ -78,7 +80,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     issuer = PromptIssuer(prompts, run_id, train_set, group_size=cfg.algorithm.group_size,
                           groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.algorithm.max_staleness)
     issuer.earlier_run_ids = note_run_id(run_dir, run_id)
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, trackers=trackers(cfg, run_dir, issuer, prompts, trajectories))
     # Which trajectory groups each version was trained on: the audit trail for exactly-once.
     trained_log = MetricsWriter(run_dir, "trained_groups.jsonl")
     dropped_log = MetricsWriter(run_dir, "dropped_groups.jsonl")
@@ -102,6 +104,34 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     log.info("learner control plane on port %d (run %s, %d training rank(s))", server.port, run_id, trainer.world_size)
     await controller.resume()
     return controller, server
+
+
+def trackers(config: RunConfig, run_dir: Path, issuer: PromptIssuer, prompts: StreamQueue,
+             trajectories: StreamQueue) -> list[Tracker]:
+    """The experiment trackers `logging.trackers` names, and with `logging.metrics_port` set the
+    Prometheus endpoint, fed from the same records plus a poller of the queues."""
+    from rlmesh.learner.trackers import build_trackers
+    from rlmesh.services.prom import serve_metrics
+
+    out = build_trackers(config.logging, run_dir, run_dir.name, config.model_dump(mode="json"))
+    if serve_metrics(config, "learner", run_dir=run_dir) is not None:
+        from rlmesh.learner.trackers.prometheus import PrometheusTracker, poll_queues
+
+        out.append(PrometheusTracker())
+        task = asyncio.create_task(poll_queues(issuer, {"prompts": prompts, "trajectories": trajectories}),
+                                   name="metrics-poller")
+        _BACKGROUND.add(task)
+        task.add_done_callback(_report)
+    return out
+
+
+_BACKGROUND: set[asyncio.Task] = set()  # a task nobody holds may be garbage-collected mid-run
+
+
+def _report(task: asyncio.Task) -> None:
+    _BACKGROUND.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s failed: %r", task.get_name(), task.exception(), exc_info=task.exception())
 
 
 def bounds(config: RunConfig, model_path: str) -> Bounds:

@@ -27,7 +27,7 @@ from rlmesh.learner.stop import stop_requested, wait_until_seen
 from rlmesh.learner.train.schedule import learning_rate
 from rlmesh.v1 import learner_pb2
 from rlmesh.services.config import HFModelSection, RunConfig
-from rlmesh.services.telemetry import setup_logging
+from rlmesh.services.telemetry import record_span, setup_logging
 
 if TYPE_CHECKING:
     from rlmesh.learner.broadcast import TorchRunner, WeightBroadcaster, WeightSource
@@ -204,6 +204,10 @@ class Controller:
             train_metrics = await self._torch(self.trainer.step, seqs, learning_rate(cfg.learner, self.version))
             train_s = time.monotonic() - t_step
             self.version += 1
+            end_ns = time.time_ns()
+            for g in groups:  # each group's trace ends with the step that trained it
+                record_span("train", g.group_id, g.trace_context, end_ns - int(train_s * 1e9), end_ns,
+                            version=self.version, staleness=staleness(g, self.version - 1))
             for e, g in batch:
                 self.admission.trained(g.group_id)
                 self.unacked.append(e.id)
@@ -239,6 +243,7 @@ class Controller:
             "num_groups": len(groups), "num_samples": len(samples), "num_tokens": num_tokens,
             "tokens_per_s": num_tokens / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
             "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages), "max_staleness": self.k,
+            "staleness_counts": {str(age): n for age, n in sorted(Counter(ages).items())},
             "num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
             "num_dropped_invalid": a.num_dropped_invalid,
             "num_duplicates": a.num_duplicates, "in_flight": self.issuer.in_flight,
@@ -283,8 +288,9 @@ class Controller:
 async def run(config: RunConfig, args: argparse.Namespace) -> None:
     from rlmesh.learner.builder import build_controller
 
-    setup_logging("learner", config.logging.level)
     run_dir = Path(args.run_dir)
+    setup_logging("learner", config.logging.level, fmt=config.logging.format,
+                  trace_file=config.logging.trace_file, run_dir=run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     port = args.port if args.port is not None else int(config.network.learner_address.rsplit(":", 1)[1])
     controller, server = await build_controller(config, run_dir, port)
@@ -292,7 +298,8 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
         summary = await controller.train()
         from rlmesh.learner.metrics import plot_reward_curve
 
-        plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
+        if (png := plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")) is not None:
+            controller.metrics.log_image("reward_curve", png, controller.version)
         log.info("done: %s", json.dumps(summary))
     finally:
         await controller._torch(controller.trainer.stop)
@@ -308,7 +315,7 @@ def follow(config: RunConfig) -> None:
 
     from rlmesh.learner.train.trainer import Trainer
 
-    setup_logging(f"learner-rank{os.environ.get('RANK')}", config.logging.level)
+    setup_logging(f"learner-rank{os.environ.get('RANK')}", config.logging.level, fmt=config.logging.format)
     path = require_model_path(config)
     Trainer(config, path, pad_id=AutoTokenizer.from_pretrained(path).pad_token_id).follow()
 

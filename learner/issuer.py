@@ -15,6 +15,7 @@ from google.protobuf.struct_pb2 import Struct
 from rlmesh.learner.data import Example, TrainData, in_order
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import StreamQueue
+from rlmesh.services.telemetry import group_span
 
 
 class PromptIssuer:
@@ -51,9 +52,12 @@ class PromptIssuer:
         return group
 
     async def publish(self, group: common_pb2.PromptGroup) -> None:
-        data = group.SerializeToString()
-        self.outstanding[group.group_id] = (group.split, data)
-        await self.prompts.publish(group.group_id, data)
+        # The group's trace starts here; its context rides on the message to every tier.
+        with group_span("issue", group.group_id, carrier=group.trace_context, version=group.issued_at_version,
+                        split=group.split):
+            data = group.SerializeToString()
+            self.outstanding[group.group_id] = (group.split, data)
+            await self.prompts.publish(group.group_id, data)
 
     async def issue_train(self, num_buffered: int, version: int) -> int:
         """Top the outstanding train groups (in flight + buffered) back up to the bound; returns

@@ -1,23 +1,43 @@
-"""Run metrics: one JSON object per line in `<run_dir>/metrics.jsonl`, and the reward-curve PNG."""
+"""Run metrics: one JSON object per line in `<run_dir>/metrics.jsonl` (also handed to the
+experiment trackers and the Prometheus hook a writer is given), and the reward-curve PNG."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class Tracker(Protocol):
+    """What a writer hands its records to (`rlmesh.learner.trackers.base.Tracker` is the same)."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+    def log_image(self, name: str, path: Path, step: int) -> None: ...
+    def close(self) -> None: ...
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, name: str = "metrics.jsonl") -> None:
+    def __init__(self, run_dir: Path, name: str = "metrics.jsonl", trackers: Sequence[Tracker] = ()) -> None:
         self.path = run_dir / name
         self._f = self.path.open("a", buffering=1)
+        self.trackers = list(trackers)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        record = {"time": round(time.time(), 3), **record}
+        self._f.write(json.dumps(record) + "\n")
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def log_image(self, name: str, path: Path, step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log_image(name, path, step)
 
     def close(self) -> None:
         self._f.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

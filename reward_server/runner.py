@@ -24,8 +24,11 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from rlmesh.reward_server.prom import ENV_CALLS, ENV_SECONDS
 
 T = TypeVar("T")
 
@@ -81,7 +84,21 @@ class EnvRunner:
 
     async def call(self, what: str, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
         """`fn(*args)` on a worker thread. `timeout_s` (capped at the runner's) covers waiting for a
-        worker and running; `what` names the call in errors ("score", "step", ...)."""
+        worker and running; `what` names the call in errors ("score", "step", ...). Counted and
+        timed in the server's Prometheus metrics."""
+        t0, outcome = time.monotonic(), "error"
+        try:
+            result = await self._call(what, fn, *args, timeout_s=timeout_s)
+            outcome = "ok"
+            return result
+        except EnvironmentTimeout:
+            outcome = "timeout"
+            raise
+        finally:
+            ENV_CALLS.labels(self.name, what, outcome).inc()
+            ENV_SECONDS.labels(self.name, what).observe(time.monotonic() - t0)
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any, timeout_s: float | None) -> T:
         timeout = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -23,13 +23,15 @@ from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.services.auth import TLSFiles, load_token
 from rlmesh.services.config import RunConfig
 from rlmesh.services.grpc_server import Server, ServerLimits, start_server
+from rlmesh.services.prom import serve_metrics
 from rlmesh.services.telemetry import setup_logging
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 
 
 async def serve(config: RunConfig, port: int) -> None:
-    log = setup_logging("reward", config.logging.level)
+    log = setup_logging("reward", config.logging.level, fmt=config.logging.format,
+                        trace_file=config.logging.trace_file)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_config(config.network, "reward")
     section = config.reward
@@ -67,6 +69,10 @@ async def serve(config: RunConfig, port: int) -> None:
         host=config.network.host, port=port, token=token, tls=tls, insecure=config.network.insecure,
         limits=ServerLimits.from_config(config.network, "reward"),
     )
+    if serve_metrics(config, "reward", f"reward-{server.port}") is not None:
+        from rlmesh.reward_server.prom import register
+
+        register(service)
     reaper = asyncio.create_task(service.close_idle_forever(), name="idle-sessions")
     function_health = asyncio.create_task(report_function_health(service, server), name="function-health")
     log.info("reward server on port %d (replica %s); environments: %s", server.port, service.sessions.replica,

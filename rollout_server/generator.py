@@ -86,6 +86,9 @@ class VLLMGenerator:
         self.update_active = False
         self.num_generated_tokens = 0
         self.busy = BusyClock()
+        self.paused_seconds = 0.0  # weight updates' pauses, summed (Prometheus)
+        self._paused_at = 0.0
+        self.stat_loggers: list = []  # vLLM stat loggers (`rlmesh.rollout_server.prom`, when metrics are on)
         self.engine = None
         self.tokenizer = None
 
@@ -112,7 +115,7 @@ class VLLMGenerator:
             disable_log_stats=True,
         )
         t0 = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(args)
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers or None)
         log.info("vLLM engine ready in %.1fs (model %s)", time.monotonic() - t0, self.model_path)
 
     def prompt_token_ids(self, group: common_pb2.PromptGroup) -> list[int]:
@@ -246,9 +249,12 @@ class VLLMGenerator:
             await self.engine.pause_generation(mode=mode, clear_cache=False)
         self.paused = True
         self.busy.set_paused(True)
+        self._paused_at = time.monotonic()
 
     async def resume(self) -> None:
         await self.engine.resume_generation()
+        if self.paused:
+            self.paused_seconds += time.monotonic() - self._paused_at
         self.paused = False
         self.busy.set_paused(False)
 

@@ -20,6 +20,7 @@ from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, load_to
 from rlmesh.services.config import HFModelSection, RunConfig
 from rlmesh.services.grpc_client import make_channel, rpc_problem
 from rlmesh.services.grpc_server import ServerLimits, start_server
+from rlmesh.services.prom import serve_metrics
 from rlmesh.services.queue import StreamQueue, connect_queue, run_streams
 from rlmesh.services.retry import Backoff, retry
 from rlmesh.services.telemetry import setup_logging
@@ -99,12 +100,17 @@ async def watch_health(server, generator: VLLMGenerator, worker: RolloutWorker, 
 
 
 async def serve(config: RunConfig, args: argparse.Namespace) -> None:
-    log = setup_logging("rollout", config.logging.level)
+    log = setup_logging("rollout", config.logging.level, fmt=config.logging.format,
+                        trace_file=config.logging.trace_file)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_config(config.network, "rollout")
     check_can_serve(config.network.host, token=token, tls=tls, insecure=config.network.insecure)  # before vLLM loads
     receiver = build_receiver(config.weight_sync)
     generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, receiver.engine)
+    if config.logging.metrics_port is not None:
+        from rlmesh.rollout_server.prom import engine_stats_logger
+
+        generator.stat_loggers.append(engine_stats_logger())
     await generator.start()
 
     redis = connect_queue(config.queue, "rollout")
@@ -125,6 +131,10 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     generator_id = args.generator_id or address
     worker.consumer = service.generator_id = generator_id
     log.info("rollout server %s on port %d", generator_id, server.port)
+    if serve_metrics(config, "rollout", generator_id) is not None:
+        from rlmesh.rollout_server.prom import register
+
+        register(generator, worker)
 
     learner_channel = make_channel(config.network.learner_address, token=token, tls=tls, peer="learner",
                                    default_timeout_s=config.network.rpc_timeout_s)

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 
 from google.protobuf.message import DecodeError
 
@@ -24,6 +25,7 @@ from rlmesh.rollout_server.episode import EpisodeRunner
 from rlmesh.rollout_server.generator import VLLMGenerator
 from rlmesh.rollout_server.reward_client import MULTI_TURN, RewardPool
 from rlmesh.services.queue import Entry, StreamQueue
+from rlmesh.services.telemetry import group_span
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class RolloutWorker:
         self.num_completed = 0
         self.num_claimed = 0
         self.num_duplicates = 0
+        self.finish_reasons: Counter[str] = Counter()  # samples and episodes published, by finish reason
         self._tasks: set[asyncio.Task] = set()
         self._working: set[str] = set()  # prompt entry ids being generated here
         self._keepalive_stop = threading.Event()
@@ -120,22 +123,30 @@ class RolloutWorker:
             await self._dead_letter(entry, f"undecodable PromptGroup: {err}")
             return
         t0 = time.monotonic()
-        try:
-            if await self.rewards.kind(group.env_name) == MULTI_TURN:
-                prompt_ids, samples = await self.episodes.run_group(group)  # scored step by step
-            else:
-                prompt_ids, samples = await self.generator.generate_group(group)
-                await self._score(group, samples)
-        except ValueError as err:
-            await self._dead_letter(entry, str(err))
-            return
+        trace_context: dict[str, str] = {}
+        # Continues the learner's trace of this group; the reward server's spans (Score, or an
+        # episode's Reset/Step/Close) join it through the gRPC metadata.
+        with group_span("generate", group.group_id, parent=group.trace_context, carrier=trace_context,
+                        version=self.generator.version, generator=self.consumer):
+            try:
+                if await self.rewards.kind(group.env_name) == MULTI_TURN:
+                    prompt_ids, samples = await self.episodes.run_group(group)  # scored step by step
+                else:
+                    prompt_ids, samples = await self.generator.generate_group(group)
+                    with group_span("score", group.group_id):
+                        await self._score(group, samples)
+            except ValueError as err:
+                await self._dead_letter(entry, str(err))
+                return
         for sample in samples:
+            self.finish_reasons[sample.finish_reason or "error"] += 1
             if not sample.error and (problem := sample_problem(sample, self.max_abs_reward)):
                 log.warning("group %s sample %d failed: %s", group.group_id, sample.index, problem)
                 sample.error = f"invalid_sample: {problem}"
         trajectory = common_pb2.TrajectoryGroup(
             group_id=group.group_id, run_id=group.run_id, prompt=group, prompt_token_ids=prompt_ids,
             samples=samples, generator_id=self.consumer, generation_seconds=time.monotonic() - t0,
+            trace_context=trace_context,
         )
         if await self.trajectories.publish(group.group_id, trajectory.SerializeToString()) is None:
             self.num_duplicates += 1

@@ -681,6 +681,21 @@ class LoggingSection(Section):
     """Log level of every service."""
     progress: bool = True
     """Show a progress bar in `rlmesh up`."""
+    format: Literal["text", "json"] = "text"
+    """Log lines as text, or one JSON object per line (service, level, message, group id, version, trace id)."""
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    """Where the learner's step and eval metrics go; metrics.jsonl is always written (`pip install rlmesh[trackers]`)."""
+    wandb_project: str = "rlmesh"
+    """W&B project (offline unless WANDB_MODE=online; the run id is kept in the run directory)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (None: a file store in `<run_dir>/mlruns`)."""
+    mlflow_experiment: str = "rlmesh"
+    """MLflow experiment the run is logged under."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus /metrics port of every service, on network.host (0: any free port; ports written to `<run_dir>/metrics_ports/`; None: off)."""
+    trace_file: bool = False
+    """Also write every span as one JSON object per line to `<run_dir>/traces/<service>-<pid>.jsonl` (OTLP is used when OTEL_EXPORTER_OTLP_ENDPOINT is set)."""
+
 
 
 class CheckpointSection(Section):

@@ -1,43 +1,149 @@
-"""Logging setup and OpenTelemetry trace propagation through gRPC metadata (W3C traceparent)."""
+"""Logging, tracing and trace propagation of every service.
+
+Logs: one line per event, as text or (`logging.format: json`) one JSON object per line with the
+service, level, message, and the group id, policy version and trace id of the span it was logged
+in. Traces: a tracer provider is installed only when something exports spans — OTLP when the SDK's
+standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set, over
+`OTEL_EXPORTER_OTLP_PROTOCOL` (`http/protobuf` by default, or `grpc`), and/or a JSONL file
+`<run_dir>/traces/<service>-<pid>.jsonl` (`logging.trace_file`). Context crosses gRPC calls in the
+metadata (W3C traceparent) and the queues in `trace_context` maps on the prompt and trajectory
+messages, so one prompt group is one trace across the tiers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 from opentelemetry import context, propagate, trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
 
 _configured = False
+RUN_DIR_ENV = "RLMESH_RUN_DIR"  # set by `rlmesh up` for every service it starts
+GROUP_ID, VERSION = "rlmesh.group_id", "rlmesh.version"  # span attributes (and JSON log fields)
 
 
-def setup_logging(service: str, level: str = "INFO") -> logging.Logger:
-    """One readable line per event: time, service, level, logger, message."""
+def setup_logging(service: str, level: str = "INFO", *, fmt: str = "text", trace_file: bool = False,
+                  run_dir: Path | None = None) -> logging.Logger:
+    """Logs to stderr as `fmt` ("text" or "json"), and tracing (see the module docstring); the
+    span file goes to `run_dir` (default $RLMESH_RUN_DIR) when `trace_file` is set."""
     global _configured
     if not _configured:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(
-            logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-        )
+        handler.setFormatter(JsonFormatter(service) if fmt == "json" else
+                             logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+                                               "%H:%M:%S"))
         root = logging.getLogger()
         root.handlers[:] = [handler]
         root.setLevel(level)
         _configured = True
-    setup_tracing(service)
+    run_dir = run_dir or (Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None)
+    setup_tracing(service, run_dir / "traces" / f"{service}-{os.getpid()}.jsonl" if trace_file and run_dir else None)
     return logging.getLogger(f"rlmesh.{service}")
 
 
-def setup_tracing(service: str) -> None:
-    """A tracer provider named after the service; exporters are added by the deployment
-    (OTEL_* environment variables are honoured by the SDK's own exporters when installed)."""
-    if isinstance(trace.get_tracer_provider(), TracerProvider):
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record; `group_id`/`version` from the record's `extra`, else from the
+    current span's attributes; `trace_id` from the current span."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"time": round(record.created, 3), "service": self.service,
+                               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        span = trace.get_current_span()
+        ctx = span.get_span_context()
+        attrs = getattr(span, "attributes", None) or {}
+        for key, attr in (("group_id", GROUP_ID), ("version", VERSION)):
+            value = getattr(record, key, None)
+            value = attrs.get(attr) if value is None else value
+            if value is not None:
+                out[key] = value
+        if ctx.is_valid:
+            out["trace_id"] = format(ctx.trace_id, "032x")
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_tracing(service: str, trace_file: Path | None = None) -> None:
+    """A tracer provider named after the service, exporting over OTLP and/or to `trace_file`; with
+    neither, none is installed (spans cost nothing, incoming context is still passed on)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    if isinstance(trace.get_tracer_provider(), TracerProvider) or not (otlp or trace_file):
         return
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    trace.set_tracer_provider(provider)
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     os.environ.setdefault("OTEL_SERVICE_NAME", service)
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if otlp:
+        if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if trace_file is not None:
+        provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(trace_file)))
+    trace.set_tracer_provider(provider)
+
+
+class JsonlSpanExporter:
+    """Spans as one JSON object per line (the SDK's own `ReadableSpan.to_json`), appended to a file."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("a")
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        with self._lock:
+            for span in spans:
+                self._f.write(span.to_json(indent=None) + "\n")
+            self._f.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._f.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+@contextmanager
+def group_span(name: str, group_id: str, parent: Mapping[str, str] | None = None,
+               carrier: MutableMapping[str, str] | None = None, **attributes: Any) -> Iterator[Any]:
+    """A span of one prompt group's work: a child of the context in `parent` (a message's
+    `trace_context`) when given, else of the current span; its own context is written into
+    `carrier` (the outgoing message's `trace_context`)."""
+    ctx = propagate.extract(dict(parent)) if parent else None
+    attrs = {GROUP_ID: group_id, **{f"rlmesh.{k}": v for k, v in attributes.items()}}
+    with tracer.start_as_current_span(name, context=ctx, attributes=attrs) as span:
+        if carrier is not None:
+            propagate.inject(carrier)
+        yield span
+
+
+def record_span(name: str, group_id: str, parent: Mapping[str, str], start_ns: int, end_ns: int,
+                **attributes: Any) -> None:
+    """A finished span of a group's work, timed after the fact (the train step its group was in)."""
+    if not parent:
+        return
+    attrs = {GROUP_ID: group_id, **{f"rlmesh.{k}": v for k, v in attributes.items()}}
+    span = tracer.start_span(name, context=propagate.extract(dict(parent)), attributes=attrs, start_time=start_ns)
+    span.end(end_time=end_ns)
 
 
 def inject_metadata(metadata: Sequence[tuple[str, str]] | None) -> list[tuple[str, str]]:

@@ -25,15 +25,19 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/common.proto\x12\trlmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"5\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\x08\"\xcb\x01\n\x11SamplingOverrides\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\xb0\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12/\n\rprompt_tokens\x18\x04 \x01(\x0b\x32\x18.rlmesh.v1.TokenSequence\x12\x10\n\x08\x65nv_name\x18\x05 \x01(\t\x12-\n\x0c\x65nv_metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\t\n\x01n\x18\x07 \x01(\x05\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.rlmesh.v1.SamplingOverrides\x12\x19\n\x11issued_at_version\x18\t \x01(\x03\x12\r\n\x05split\x18\n \x01(\t\"\xf5\x02\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\x05\x12,\n\ncompletion\x18\x02 \x01(\x0b\x32\x18.rlmesh.v1.TokenSequence\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bmin_version\x18\x05 \x01(\x03\x12\x13\n\x0bmax_version\x18\x06 \x01(\x03\x12\x0e\n\x06reward\x18\x07 \x01(\x02\x12\x42\n\x11reward_components\x18\x08 \x03(\x0b\x32\'.rlmesh.v1.Sample.RewardComponentsEntry\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t\x12\x11\n\tnum_turns\x18\x0b \x01(\x05\x12\x1e\n\x05turns\x18\x0c \x03(\x0b\x32\x0f.rlmesh.v1.Turn\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9f\x01\n\x04Turn\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x1a\n\x12num_sampled_tokens\x18\x02 \x01(\x05\x12\x16\n\x0enum_env_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bmin_version\x18\x04 \x01(\x03\x12\x13\n\x0bmax_version\x18\x05 \x01(\x03\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0b\x65nv_seconds\x18\x07 \x01(\x01\"\xcb\x01\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12&\n\x06prompt\x18\x03 \x01(\x0b\x32\x16.rlmesh.v1.PromptGroup\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\"\n\x07samples\x18\x05 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12\x14\n\x0cgenerator_id\x18\x06 \x01(\t\x12\x1a\n\x12generation_seconds\x18\x07 \x01(\x01\" \n\rPolicyVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/common.proto\x12\trlmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"5\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\x08\"\xcb\x01\n\x11SamplingOverrides\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\xa6\x03\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12/\n\rprompt_tokens\x18\x04 \x01(\x0b\x32\x18.rlmesh.v1.TokenSequence\x12\x10\n\x08\x65nv_name\x18\x05 \x01(\t\x12-\n\x0c\x65nv_metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\t\n\x01n\x18\x07 \x01(\x05\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.rlmesh.v1.SamplingOverrides\x12\x19\n\x11issued_at_version\x18\t \x01(\x03\x12\r\n\x05split\x18\n \x01(\t\x12?\n\rtrace_context\x18\x0b \x03(\x0b\x32(.rlmesh.v1.PromptGroup.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf5\x02\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\x05\x12,\n\ncompletion\x18\x02 \x01(\x0b\x32\x18.rlmesh.v1.TokenSequence\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bmin_version\x18\x05 \x01(\x03\x12\x13\n\x0bmax_version\x18\x06 \x01(\x03\x12\x0e\n\x06reward\x18\x07 \x01(\x02\x12\x42\n\x11reward_components\x18\x08 \x03(\x0b\x32\'.rlmesh.v1.Sample.RewardComponentsEntry\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t\x12\x11\n\tnum_turns\x18\x0b \x01(\x05\x12\x1e\n\x05turns\x18\x0c \x03(\x0b\x32\x0f.rlmesh.v1.Turn\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9f\x01\n\x04Turn\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x1a\n\x12num_sampled_tokens\x18\x02 \x01(\x05\x12\x16\n\x0enum_env_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bmin_version\x18\x04 \x01(\x03\x12\x13\n\x0bmax_version\x18\x05 \x01(\x03\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0b\x65nv_seconds\x18\x07 \x01(\x01\"\xc5\x02\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12&\n\x06prompt\x18\x03 \x01(\x0b\x32\x16.rlmesh.v1.PromptGroup\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\"\n\x07samples\x18\x05 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12\x14\n\x0cgenerator_id\x18\x06 \x01(\t\x12\x1a\n\x12generation_seconds\x18\x07 \x01(\x01\x12\x43\n\rtrace_context\x18\x08 \x03(\x0b\x32,.rlmesh.v1.TrajectoryGroup.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\" \n\rPolicyVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PROMPTGROUP_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_PROMPTGROUP_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._loaded_options = None
   _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
+  _globals['_TRAJECTORYGROUP_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_TRAJECTORYGROUP_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=67
   _globals['_CHATMESSAGE']._serialized_end=147
   _globals['_TOKENSEQUENCE']._serialized_start=149
@@ -41,15 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOVERRIDES']._serialized_start=205
   _globals['_SAMPLINGOVERRIDES']._serialized_end=408
   _globals['_PROMPTGROUP']._serialized_start=411
-  _globals['_PROMPTGROUP']._serialized_end=715
-  _globals['_SAMPLE']._serialized_start=718
-  _globals['_SAMPLE']._serialized_end=1091
-  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_start=1036
-  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_end=1091
-  _globals['_TURN']._serialized_start=1094
-  _globals['_TURN']._serialized_end=1253
-  _globals['_TRAJECTORYGROUP']._serialized_start=1256
-  _globals['_TRAJECTORYGROUP']._serialized_end=1459
-  _globals['_POLICYVERSION']._serialized_start=1461
-  _globals['_POLICYVERSION']._serialized_end=1493
+  _globals['_PROMPTGROUP']._serialized_end=833
+  _globals['_PROMPTGROUP_TRACECONTEXTENTRY']._serialized_start=782
+  _globals['_PROMPTGROUP_TRACECONTEXTENTRY']._serialized_end=833
+  _globals['_SAMPLE']._serialized_start=836
+  _globals['_SAMPLE']._serialized_end=1209
+  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_start=1154
+  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_end=1209
+  _globals['_TURN']._serialized_start=1212
+  _globals['_TURN']._serialized_end=1371
+  _globals['_TRAJECTORYGROUP']._serialized_start=1374
+  _globals['_TRAJECTORYGROUP']._serialized_end=1699
+  _globals['_TRAJECTORYGROUP_TRACECONTEXTENTRY']._serialized_start=782
+  _globals['_TRAJECTORYGROUP_TRACECONTEXTENTRY']._serialized_end=833
+  _globals['_POLICYVERSION']._serialized_start=1701
+  _globals['_POLICYVERSION']._serialized_end=1733
 # @@protoc_insertion_point(module_scope)

@@ -44,7 +44,14 @@ class SamplingOverrides(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "run_id", "messages", "prompt_tokens", "env_name", "env_metadata", "n", "sampling", "issued_at_version", "split")
+    __slots__ = ("group_id", "run_id", "messages", "prompt_tokens", "env_name", "env_metadata", "n", "sampling", "issued_at_version", "split", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +62,7 @@ class PromptGroup(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     run_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -65,7 +73,8 @@ class PromptGroup(_message.Message):
     sampling: SamplingOverrides
     issued_at_version: int
     split: str
-    def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[_Union[TokenSequence, _Mapping]] = ..., env_name: _Optional[str] = ..., env_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., issued_at_version: _Optional[int] = ..., split: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_tokens: _Optional[_Union[TokenSequence, _Mapping]] = ..., env_name: _Optional[str] = ..., env_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., issued_at_version: _Optional[int] = ..., split: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("index", "completion", "logprobs", "finish_reason", "min_version", "max_version", "reward", "reward_components", "error", "text", "num_turns", "turns")
@@ -121,7 +130,14 @@ class Turn(_message.Message):
     def __init__(self, start: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_env_tokens: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., env_seconds: _Optional[float] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
-    __slots__ = ("group_id", "run_id", "prompt", "prompt_token_ids", "samples", "generator_id", "generation_seconds")
+    __slots__ = ("group_id", "run_id", "prompt", "prompt_token_ids", "samples", "generator_id", "generation_seconds", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +145,7 @@ class TrajectoryGroup(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     run_id: str
     prompt: PromptGroup
@@ -136,7 +153,8 @@ class TrajectoryGroup(_message.Message):
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     generator_id: str
     generation_seconds: float
-    def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., prompt: _Optional[_Union[PromptGroup, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generation_seconds: _Optional[float] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, group_id: _Optional[str] = ..., run_id: _Optional[str] = ..., prompt: _Optional[_Union[PromptGroup, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., generator_id: _Optional[str] = ..., generation_seconds: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PolicyVersion(_message.Message):
     __slots__ = ("version",)

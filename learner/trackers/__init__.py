@@ -1,0 +1,39 @@
+"""Experiment trackers behind one interface (`base.Tracker`): TensorBoard, Weights & Biases and
+MLflow, one module each, imported only when `logging.trackers` names them. The learner's
+`MetricsWriter` hands every record it writes to metrics.jsonl to each of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlmesh.learner.trackers.base import Tracker
+    from rlmesh.services.config import LoggingSection
+
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def build_trackers(logging: LoggingSection, run_dir: Path, run_name: str, config: dict[str, Any]) -> list[Tracker]:
+    """The trackers `logging.trackers` names (jsonl is metrics.jsonl itself, always written), each
+    continuing this run directory's earlier run if there is one, with `config` as hyperparameters."""
+    out: list[Tracker] = []
+    for name in dict.fromkeys(logging.trackers):
+        if name == "jsonl":
+            continue
+        if name == "tensorboard":
+            from rlmesh.learner.trackers.tensorboard import TensorBoardTracker
+
+            out.append(TensorBoardTracker(run_dir, config))
+        elif name == "wandb":
+            from rlmesh.learner.trackers.wandb import WandbTracker
+
+            out.append(WandbTracker(run_dir, run_name, config, project=logging.wandb_project))
+        elif name == "mlflow":
+            from rlmesh.learner.trackers.mlflow import MlflowTracker
+
+            out.append(MlflowTracker(run_dir, run_name, config, tracking_uri=logging.mlflow_tracking_uri,
+                                     experiment=logging.mlflow_experiment))
+        else:
+            raise ValueError(f"logging.trackers: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
+    return out

@@ -1,0 +1,31 @@
+"""The reward server's Prometheus metrics (`rlmesh_reward_*`): every environment call (score,
+reset, step, close) by environment, method and outcome, its latency, and the open sessions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from rlmesh.reward_server.service import RewardService
+
+ENV_CALLS = Counter("rlmesh_reward_env_calls_total", "Environment calls by environment, method and outcome "
+                    "(ok, error, timeout)", ["env", "method", "outcome"])
+ENV_SECONDS = Histogram("rlmesh_reward_env_call_seconds", "Latency of an environment call (a Score batch, "
+                        "a Reset, Step or Close)", ["env", "method"],
+                        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120))
+
+
+class SessionCollector:
+    def __init__(self, service: RewardService) -> None:
+        self.service = service
+
+    def collect(self) -> Any:
+        yield GaugeMetricFamily("rlmesh_reward_open_sessions", "Multi-turn sessions open on this server",
+                                value=len(self.service.sessions))
+
+
+def register(service: RewardService) -> None:
+    REGISTRY.register(SessionCollector(service))

@@ -1,0 +1,72 @@
+"""The rollout server's Prometheus metrics (`rlmesh_rollout_*`): read from the generator and the
+queue worker when scraped (a collector, so the hot path only bumps its own plain counters), and the
+engine's running and waiting sequences and KV-cache use from a vLLM stat logger (engine stats are
+collected only when the metrics endpoint is on)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import REGISTRY, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from rlmesh.rollout_server.generator import VLLMGenerator
+    from rlmesh.rollout_server.worker import RolloutWorker
+
+RUNNING = Gauge("rlmesh_rollout_running_sequences", "Sequences the vLLM scheduler is running")
+WAITING = Gauge("rlmesh_rollout_waiting_sequences", "Sequences waiting in the vLLM scheduler")
+KV_CACHE = Gauge("rlmesh_rollout_kv_cache_usage_ratio", "Fraction of the KV cache in use (0-1)")
+
+
+class RolloutCollector:
+    def __init__(self, generator: VLLMGenerator, worker: RolloutWorker) -> None:
+        self.generator, self.worker = generator, worker
+
+    def collect(self) -> Any:
+        g, w = self.generator, self.worker
+        yield CounterMetricFamily("rlmesh_rollout_generated_tokens", "Completion tokens generated",
+                                  value=g.num_generated_tokens)
+        yield CounterMetricFamily("rlmesh_rollout_engine_busy_seconds", "Seconds the engine had work and "
+                                  "was not paused", value=g.busy.seconds)
+        yield CounterMetricFamily("rlmesh_rollout_pause_seconds", "Seconds generation was paused for "
+                                  "weight updates", value=g.paused_seconds)
+        yield CounterMetricFamily("rlmesh_rollout_groups_completed", "Trajectory groups published",
+                                  value=w.num_completed)
+        samples = CounterMetricFamily("rlmesh_rollout_samples", "Samples and episodes finished, by "
+                                      "finish reason", labels=["finish_reason"])
+        for reason, n in sorted(w.finish_reasons.items()):
+            samples.add_metric([reason], n)
+        yield samples
+        yield GaugeMetricFamily("rlmesh_rollout_groups_in_progress", "Prompt groups being generated here",
+                                value=w.num_inflight)
+        yield GaugeMetricFamily("rlmesh_rollout_policy_version", "Policy version of the served weights",
+                                value=g.version)
+
+
+def register(generator: VLLMGenerator, worker: RolloutWorker) -> None:
+    """Serve this server's generator and worker numbers (the engine's stat logger, given to the
+    engine at creation, is `engine_stats_logger`)."""
+    REGISTRY.register(RolloutCollector(generator, worker))
+
+
+def engine_stats_logger() -> Any:
+    """A vLLM stat logger class copying the scheduler's numbers into the gauges above (vLLM is
+    imported here, not at module import: the metrics module stays light)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class EngineStats(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                RUNNING.set(scheduler_stats.num_running_reqs)
+                WAITING.set(scheduler_stats.num_waiting_reqs)
+                KV_CACHE.set(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return EngineStats

@@ -1,0 +1,131 @@
+"""One short `rlmesh up` run with everything observable on: the spans of one prompt group from the
+learner, rollout and reward processes reach a real OTLP/HTTP receiver under one trace id; every
+tier's Prometheus endpoint (ports found in the run directory) serves its metrics and they move
+between two scrapes; logs are JSON lines; TensorBoard gets the step metrics through the learner."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from tests.e2e.test_mesh import Up
+
+pytestmark = pytest.mark.observability
+
+
+class Receiver(ThreadingHTTPServer):
+    """The OTLP/HTTP trace endpoint (`POST /v1/traces`, protobuf), keeping every span it is sent."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: Receiver
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportTraceServiceRequest.FromString(body)
+        with self.server.lock:
+            for rs in request.resource_spans:
+                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        attrs = {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
+                        self.server.spans.append({"service": service, "name": span.name,
+                                                  "trace_id": span.trace_id.hex(), "attributes": attrs})
+        reply = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """A /metrics page as {name{labels}: value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _ports(run_dir) -> dict[str, int]:
+    folder = run_dir / "metrics_ports"
+    return {json.loads(p.read_text())["tier"]: json.loads(p.read_text())["port"] for p in folder.glob("*.json")} \
+        if folder.is_dir() else {}
+
+
+def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monkeypatch):
+    receiver = Receiver()
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.server_port}")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    run_dir = tmp_path / "run"
+    up = Up(run_dir, "learner.num_steps=8", "learner.eval_every=0", "sft.num_steps=20", "checkpoint.every_n_steps=0",
+            "logging.metrics_port=0", "logging.format=json", "logging.trace_file=true",
+            "logging.trackers=[jsonl,tensorboard]")
+    try:
+        up.wait_for(lambda: set(_ports(run_dir)) == {"learner", "rollout", "reward"}, 600, "three metrics endpoints")
+        ports = _ports(run_dir)
+        up.wait_for(lambda: _scrape(ports["learner"]).get("rlmesh_learner_policy_version", 0) >= 1, 600, "step 1")
+        first = {tier: _scrape(port) for tier, port in ports.items()}
+        time.sleep(3.0)
+        second = {tier: _scrape(port) for tier, port in ports.items()}
+        assert up.finish(timeout=600) == 0, up.output()[-4000:]
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+    assert second["learner"]["rlmesh_learner_policy_version"] > first["learner"]["rlmesh_learner_policy_version"]
+    assert second["rollout"]["rlmesh_rollout_generated_tokens_total"] > \
+        first["rollout"]["rlmesh_rollout_generated_tokens_total"]
+    assert 'rlmesh_queue_lag{stream="prompts"}' in second["learner"]
+    assert any(k.startswith("rlmesh_learner_staleness_versions_bucket") for k in second["learner"])
+    assert 'rlmesh_rollout_samples_total{finish_reason="stop"}' in second["rollout"] or \
+        'rlmesh_rollout_samples_total{finish_reason="length"}' in second["rollout"]
+    calls = {k: v for k, v in second["reward"].items() if k.startswith("rlmesh_reward_env_calls_total")}
+    assert any('outcome="ok"' in k and v > 0 for k, v in calls.items()), calls
+
+    time.sleep(1.0)  # the last batches of spans (exported every 200 ms)
+    with receiver.lock:
+        spans = list(receiver.spans)
+    receiver.shutdown()
+    by_trace: dict[str, list[dict]] = defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    trained = [s for s in spans if s["name"] == "train" and s["service"] == "learner"]
+    assert trained, sorted({(s["service"], s["name"]) for s in spans})
+    group_trace = by_trace[trained[0]["trace_id"]]
+    seen = {(s["service"], s["name"]) for s in group_trace}
+    assert {("learner", "issue"), ("rollout", "generate"), ("rollout", "score"), ("learner", "train")} <= seen, seen
+    assert any(service == "reward" for service, _ in seen), seen  # the Score RPC, served in the reward process
+    assert {s["attributes"]["rlmesh.group_id"] for s in group_trace if "rlmesh.group_id" in s["attributes"]} == \
+        {trained[0]["attributes"]["rlmesh.group_id"]}
+    assert list((run_dir / "traces").glob("learner-*.jsonl"))  # logging.trace_file
+
+    lines = [json.loads(line) for line in (run_dir / "logs" / "learner.log").read_text().splitlines()
+             if line.startswith("{")]
+    assert any(r["service"] == "learner" and r["message"].startswith("step ") for r in lines)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("train/reward_mean")] == list(range(1, 9))

@@ -1,0 +1,109 @@
+"""Metrics written through MetricsWriter with every tracker on come back through each tracker's own
+reader: TensorBoard's EventAccumulator, the W&B offline run file (wandb's DataStore), MLflow's
+client. A second writer on the same run directory continues the same runs (resume)."""
+
+from pathlib import Path
+
+import pytest
+
+from rlmesh.learner.metrics import MetricsWriter
+from rlmesh.learner.trackers import build_trackers
+from rlmesh.services.config import LoggingSection
+
+pytestmark = pytest.mark.integration
+
+
+def _write(run_dir: Path, logging: LoggingSection, versions: range, config: dict) -> None:
+    writer = MetricsWriter(run_dir, trackers=build_trackers(logging, run_dir, "trk", config))
+    for v in versions:
+        writer.write({"kind": "train", "version": v, "reward_mean": v / 10, "grad_norm": 1.0 + v,
+                      "groups_by_generator": {"g0": 2}, "last_weights_sha256": "ab"})
+    writer.write({"kind": "eval", "version": versions[-1], "accuracy": 0.5, "accuracy_by_env": {"math": 0.25}})
+    png = run_dir / "reward_curve.png"
+    if not png.exists():
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plt.plot([0, 1], [0, 1])
+        plt.savefig(png)
+        plt.close()
+    writer.log_image("reward_curve", png, versions[-1])
+    writer.close()
+
+
+def _wandb_records(path: Path) -> list[bytes]:
+    """The records of a W&B transaction log (`run-<id>.wandb`, what `wandb sync` uploads): a 7-byte
+    header (":W&B", magic 0xBEE1, version 0), then LevelDB-log framing in 32 KiB blocks, each chunk
+    `crc32 (4) | length (2, little-endian) | type (1: full, 2: first, 3: middle, 4: last)`. wandb
+    0.31 writes it from its Go core and ships no Python reader any more (DataStore is gone)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B" and data[4:6] == b"\xe1\xbe", data[:7]
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(pending)
+    return records
+
+
+def _wandb_history(run_dir: Path) -> list[dict]:
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        for data in _wandb_records(path):
+            rec = wandb_internal_pb2.Record.FromString(data)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in rec.history.item})
+    return rows
+
+
+def test_every_tracker_reads_back_the_step_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logging = LoggingSection(trackers=["jsonl", "tensorboard", "wandb", "mlflow"])
+    config = {"run": {"name": "trk", "seed": 3}, "learner": {"lr": 1e-5, "num_steps": 4}}
+    _write(tmp_path, logging, range(1, 3), config)
+    _write(tmp_path, logging, range(3, 5), config)  # a resumed learner: same run directory
+    assert (tmp_path / "metrics.jsonl").read_text().count('"kind": "train"') == 4
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("train/reward_mean")] == \
+        [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert [e.value for e in events.Scalars("eval/accuracy_by_env/math")] == [0.25, 0.25]
+    assert "reward_curve" in events.Tags()["images"]
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    assert HParamsPluginData.FromString(start).session_start_info.hparams["learner.lr"].number_value == 1e-5
+
+    history = _wandb_history(tmp_path)
+    steps = {row["_step"]: row for row in history}
+    assert {s: steps[s]["train/reward_mean"] for s in (1, 2, 3, 4)} == {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4}
+    assert steps[4]["eval/accuracy"] == 0.5
+    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 2  # two processes, one run id
+    run_ids = {p.name.rsplit("-", 1)[1] for p in tmp_path.glob("wandb/offline-run-*")}
+    assert run_ids == {(tmp_path / "wandb_run_id.txt").read_text().strip()}
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    run_id = (tmp_path / "mlflow_run_id.txt").read_text().strip()
+    history = client.get_metric_history(run_id, "train/reward_mean")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    run = client.get_run(run_id)
+    assert run.data.params["learner.lr"] == "1e-05"
+    assert "reward_curve.png" in [a.path for a in client.list_artifacts(run_id)]
+    assert len(client.search_runs([run.info.experiment_id])) == 1

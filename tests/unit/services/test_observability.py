@@ -1,0 +1,54 @@
+"""The Prometheus endpoint helper (port file, /metrics over HTTP), JSON log lines carrying the
+span's group id, version and trace id, and the JSONL span exporter."""
+
+import io
+import json
+import logging
+import urllib.request
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from rlmesh.services.config import RunConfig
+from rlmesh.services.prom import read_ports, serve_metrics
+from rlmesh.services.telemetry import GROUP_ID, VERSION, JsonFormatter, JsonlSpanExporter
+
+
+def test_metrics_endpoint_on_a_free_port_is_written_to_the_run_dir(tmp_path):
+    assert serve_metrics(RunConfig(), "learner", run_dir=tmp_path) is None  # off by default
+    config = RunConfig.model_validate({"logging": {"metrics_port": 0}})
+    port = serve_metrics(config, "rollout", "rollout-0:1", run_dir=tmp_path)
+    ports = read_ports(tmp_path)
+    assert ports["rollout-0_1"]["port"] == port and ports["rollout-0_1"]["tier"] == "rollout"
+    assert ports["rollout-0_1"]["host"] == "127.0.0.1"  # network.host: loopback unless configured
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "python_info" in body
+
+
+def test_json_logs_carry_the_span_group_id_version_and_trace_id(tmp_path):
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter("rollout"))
+    logger = logging.getLogger("rlmesh.test.jsonlogs")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    provider = TracerProvider()
+    exporter = JsonlSpanExporter(tmp_path / "traces" / "rollout.jsonl")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    logger.warning("outside any span")
+    with tracer.start_as_current_span("generate", attributes={GROUP_ID: "run/train/1/a", VERSION: 3}) as span:
+        logger.info("group %s done", "a")
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    logger.error("explicit", extra={"group_id": "g2", "version": 7})
+    provider.shutdown()
+    first, inside, explicit = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert first == {"time": first["time"], "service": "rollout", "level": "WARNING",
+                     "logger": "rlmesh.test.jsonlogs", "message": "outside any span"}
+    assert (inside["group_id"], inside["version"], inside["trace_id"], inside["message"]) == \
+        ("run/train/1/a", 3, trace_id, "group a done")
+    assert (explicit["group_id"], explicit["version"]) == ("g2", 7)
+    spans = [json.loads(line) for line in (tmp_path / "traces" / "rollout.jsonl").read_text().splitlines()]
+    assert [(s["name"], s["context"]["trace_id"], s["attributes"][GROUP_ID]) for s in spans] == \
+        [("generate", "0x" + trace_id, "run/train/1/a")]
