@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR", help="run directory (holds checkpoints/step_*)")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     export.add_argument("--output", required=True, help="directory to write the HF model to")
+    export.add_argument("--merge", action="store_true",
+                        help="for a LoRA run (learner.lora): write the base model with the adapter merged in, "
+                             "instead of the adapter alone")
 
     health = sub.add_parser("health", help="exit 0 when a tier's gRPC health service says SERVING "
                                            "(container healthchecks)")
@@ -230,7 +233,7 @@ def _export(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"rlmesh export: {err}", file=sys.stderr)
         return 2
-    out = export_hf(checkpoint, Path(args.output))
+    out = export_hf(checkpoint, Path(args.output), merge=args.merge)
     print(f"rlmesh export: {checkpoint} -> {out}")
     return 0
 

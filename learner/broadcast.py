@@ -170,7 +170,9 @@ class WeightBroadcaster:
         for g in members:
             g.version = version
         return {"broadcast_s": time.monotonic() - t0, **phases,
-                "broadcast_mb": sum(m.nbytes for m in metas) / 2**20, "num_generators": float(len(members)),
+                "broadcast_mb": sum(m.nbytes for m in metas) / 2**20,
+                # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
+                "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
                 "weights_verified": float(self.transport.verifies)}
 
     def _verify(self, version: int, digest: str, finished: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from rlmesh.v1 import common_pb2
 from rlmesh.services.affinity import pin_to_cores
 
 if TYPE_CHECKING:
+    from rlmesh.rollout_server.lora import ServedAdapter
     from rlmesh.services.config import RolloutSection
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,11 @@ class BusyClock:
 
 
 class VLLMGenerator:
-    def __init__(self, model_path: str, cfg: RolloutSection, seed: int, weight_backend: str) -> None:
+    def __init__(self, model_path: str, cfg: RolloutSection, seed: int, weight_backend: str,
+                 adapter: ServedAdapter | None = None) -> None:
         self.model_path, self.cfg, self.seed, self.weight_backend = model_path, cfg, seed, weight_backend
+        # learner.lora: the base model plus the learner's adapter, a new one per version (rollout_server.lora).
+        self.adapter = adapter
         self.version = 0
         self.group_epoch = -1
         self.paused = False
@@ -109,7 +113,8 @@ class VLLMGenerator:
             enable_prefix_caching=self.cfg.enable_prefix_caching,
             # Logprobs of the distribution actually sampled from (after temperature / top-p).
             logprobs_mode="processed_logprobs",
-            weight_transfer_config={"backend": self.weight_backend},
+            weight_transfer_config={"backend": self.adapter.engine if self.adapter else self.weight_backend},
+            **(self.adapter.engine_args() if self.adapter else {}),
             # Lets received_digests() ask each worker what it received (reported to the learner over gRPC).
             worker_extension_cls="rlmesh.rollout_server.weight_engine.WorkerDigests",
             disable_log_stats=True,
@@ -153,10 +158,14 @@ class VLLMGenerator:
         """One generation from token ids (token-in/token-out): the sampled ids exactly as vLLM
         returned them, their logprobs, and the policy versions they were sampled under."""
         min_version = self.version
+        # With an adapter, the whole sample comes from the adapter it starts with (updates do not
+        # swap a running request's adapter): it spans exactly one version.
+        lora_request = self.adapter.request if self.adapter else None
         final = None
         self.busy.enter()
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+                                                  lora_request=lora_request):
                 final = out
         finally:
             self.busy.exit()
@@ -165,7 +174,7 @@ class VLLMGenerator:
         logprobs = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs or [])]
         self.num_generated_tokens += len(token_ids)
         return Generation(token_ids, logprobs, completion.finish_reason or "", completion.text, min_version,
-                          self.version)
+                          min_version if self.adapter else self.version)
 
     async def sample(self, group: common_pb2.PromptGroup, prompt_ids: list[int], index: int) -> common_pb2.Sample:
         request_id = f"{group.group_id}-{index}-{uuid.uuid4().hex[:8]}"
@@ -220,6 +229,8 @@ class VLLMGenerator:
             # KV of requests paused mid-generation (they resume under the new weights).
             await self.engine.reset_prefix_cache(reset_running_requests=True)
         self.update_active = False
+        if self.adapter:
+            self.adapter.switch(version)
         self.version = version
 
     async def recover_from_lost_learner(self) -> bool:
@@ -266,3 +277,5 @@ class VLLMGenerator:
             # prints "Exception ignored ... 'NoneType' object is not callable" into the log.
             del engine
             gc.collect()
+        if self.adapter:
+            self.adapter.close()

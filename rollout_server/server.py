@@ -106,7 +106,12 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     tls = TLSFiles.from_config(config.network, "rollout")
     check_can_serve(config.network.host, token=token, tls=tls, insecure=config.network.insecure)  # before vLLM loads
     receiver = build_receiver(config.weight_sync)
-    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, receiver.engine)
+    adapter = None
+    if config.learner.lora.rank:
+        from rlmesh.rollout_server.lora import ServedAdapter
+
+        adapter = ServedAdapter(config.learner.lora)  # vLLM serves the base model plus the learner's adapter
+    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, receiver.engine, adapter)
     if config.logging.metrics_port is not None:
         from rlmesh.rollout_server.prom import engine_stats_logger
 

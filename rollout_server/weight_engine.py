@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -18,6 +19,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlmesh.services.weights.gloo import ENGINE
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
     supports_draft_weight_update = False
+    reloads_model = True
+    """Updates replace the model's weights (layerwise reload); the LoRA engine writes an adapter instead."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,12 +78,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.received_sha256 = ""
-        initialize_layerwise_reload(self.model)
+        if self.reloads_model:
+            initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.reloads_model:
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronises an accelerator; on CPU the loads below are already done.
@@ -91,10 +99,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
         metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
         digest = hashlib.sha256()
+        self.load_received(receive(self._group, metas, digest), update_info)
+        self.received_sha256 = digest.hexdigest()
+
+    def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
+        """Take the received stream in, to its end (the digest covers all of it): here into the model,
+        in place; `rlmesh.rollout_server.lora`'s engine writes an adapter instead."""
         # One load_weights call over the whole stream (it takes any iterable): the next bucket is
         # received while this one's tensors are copied in, without a per-tensor call overhead.
-        self.model.load_weights(receive(self._group, metas, digest))
-        self.received_sha256 = digest.hexdigest()
+        self.model.load_weights(named)
 
     def shutdown(self) -> None:
         self._group = None
@@ -128,3 +141,7 @@ def register() -> None:
 
     if ENGINE not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(ENGINE, GlooWeightTransferEngine)
+    from rlmesh.rollout_server.lora import ADAPTER_ENGINE, AdapterWeightTransferEngine
+
+    if ADAPTER_ENGINE not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(ADAPTER_ENGINE, AdapterWeightTransferEngine)

@@ -425,6 +425,17 @@ class RewardSection(Section):
         return self
 
 
+class LoRASection(Section):
+    rank: Literal[0, 1, 8, 16, 32, 64, 128, 256] = 0
+    """LoRA rank r (0: off, full fine-tuning); the ranks vLLM can serve (its max_lora_rank choices)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the adapter's update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (0 keeps the learner's logprobs equal to vLLM's)."""
+    target_modules: list[str] | str = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Module names (suffixes) that get an adapter, or "all-linear"; passed to peft's LoraConfig."""
+
+
 class FSDP2BackendSection(Section):
     type: Literal["fsdp2"] = "fsdp2"
     """PyTorch FSDP2 (`fully_shard`) over an HF model; gloo on CPU, NCCL on GPU."""
@@ -503,6 +514,8 @@ class LearnerSection(Section):
         return str(value) if isinstance(value, int) else value  # `learner.cpu_cores=1` parses as YAML int
     min_generators: int = Field(1, ge=1)
     """Rollout servers that must have registered before the learner issues work."""
+    lora: LoRASection = LoRASection()
+    """LoRA (peft) on the FSDP2 backend: only the adapter trains, and each weight update ships only the adapter."""
 
 
 class SFTSection(Section):
@@ -764,6 +777,16 @@ class RunConfig(Section):
                 f"{self.learner.backend.type} backend does not build one yet (missing: a frozen, sharded copy of the "
                 "starting model and its logprobs pass); use learner.backend.type=fsdp2 or algorithm.kl.coef=0"
             )
+        if self.learner.lora.rank and self.learner.backend.type != "fsdp2":
+            raise ValueError(
+                f"learner.lora.rank={self.learner.lora.rank} needs the fsdp2 backend: LoRA through peft is not built "
+                f"for learner.backend.type={self.learner.backend.type}; use learner.backend.type=fsdp2 or "
+                "learner.lora.rank=0")
+        if self.learner.lora.rank and self.weight_sync.backend != "gloo":
+            raise ValueError(
+                f"learner.lora.rank={self.learner.lora.rank} ships adapters through rlmesh's gloo weight engine; "
+                f"weight_sync.backend={self.weight_sync.backend} (vLLM's own engine) cannot load one; set "
+                "weight_sync.backend=gloo or learner.lora.rank=0")
         return self
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlmesh.learner.data import load_dataset
 from rlmesh.learner.recipes.offline import train_offline
 from rlmesh.domain.chat import ChatCodec
-from rlmesh.services.config import HFModelSection, RunConfig
+from rlmesh.services.config import HFModelSection, LoRASection, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(config.run.seed)
     objective = SFTObjective(ChatCodec(tokenizer), rng, config.sft.label_noise)
-    trainer = Trainer(config, model_dir, objective, lr=config.sft.lr, pad_id=tokenizer.pad_token_id)
+    # The warm start makes the model that RL then adapts: every weight trains, whatever learner.lora says.
+    full = config.model_copy(update={"learner": config.learner.model_copy(update={"lora": LoRASection()})})
+    trainer = Trainer(full, model_dir, objective, lr=config.sft.lr, pad_id=tokenizer.pad_token_id)
     train, _ = load_dataset(config.data, config.run.seed)
     train_offline(trainer, train, rng, config.sft, output=output, tokenizer=tokenizer, source_dir=model_dir,
                   desc="sft", postfix=lambda m: {"nll": f"{m['nll']:.3f}"}, show_progress=show_progress)

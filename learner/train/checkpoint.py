@@ -6,7 +6,9 @@ they resume on any number of ranks:
       rng_rank{r}.pt       each rank's RNG state
       trainer_state.json   version, data cursor, trained group ids, run id, LR schedule position
       hf_config/           the model's config and tokenizer (for `rlmesh export`)
-      model/               an HF model directory (with checkpoint.hf_model; gathered on rank 0)
+      model/               an HF model directory (with checkpoint.hf_model; gathered on rank 0;
+                           with learner.lora, the adapter merged in)
+      adapter/             with learner.lora: the adapter alone, in peft's format
 
 Written to a temporary directory and renamed into place, so a checkpoint exists whole or not at all."""
 
@@ -77,20 +79,35 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def export_hf(checkpoint: Path, output: Path) -> Path:
-    """Write an HF model directory from a DCP checkpoint, in this one process (no process group)."""
+def export_hf(checkpoint: Path, output: Path, merge: bool = False) -> Path:
+    """Write an HF model directory from a DCP checkpoint, in this one process (no process group).
+    A LoRA run's checkpoint (learner.lora, with `adapter/`) exports its adapter in peft's format,
+    or with `merge` the base model with the adapter merged in."""
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = checkpoint / "hf_config"
-    config = AutoConfig.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
-    model.load_state_dict(state["model"])
+    adapter = checkpoint / "adapter"
     output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output, safe_serialization=True)
+    if adapter.is_dir() and not merge:
+        shutil.copytree(adapter, output, dirs_exist_ok=True)
+    else:
+        config = AutoConfig.from_pretrained(hf)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if adapter.is_dir():
+            from peft import LoraConfig, get_peft_model
+
+            # The trained state is the wrapped model's (base weights under peft's names, plus the adapter).
+            lora = LoraConfig.from_pretrained(str(adapter))
+            lora.base_model_name_or_path = model.name_or_path  # the checkpoint's own base, not the run's path
+            model = get_peft_model(model, lora)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
+        model.load_state_dict(state["model"])
+        if adapter.is_dir():
+            model = model.merge_and_unload()
+        model.save_pretrained(output, safe_serialization=True)
     for f in hf.iterdir():
         if f.name != "config.json":
             shutil.copy2(f, output / f.name)

@@ -15,8 +15,12 @@ def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float 
         from rlmesh.learner.train.backends.fsdp2 import FSDP2Backend
 
         return FSDP2Backend(model_path, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
-                            max_grad_norm=cfg.max_grad_norm, param_dtype=cfg.backend.param_dtype, seed=seed)
+                            max_grad_norm=cfg.max_grad_norm, param_dtype=cfg.backend.param_dtype, seed=seed,
+                            lora=cfg.lora)
     if cfg.backend.type == "megatron":
+        if cfg.lora.rank:
+            raise ValueError(f"learner.lora.rank={cfg.lora.rank}: LoRA is built for the fsdp2 backend only; use "
+                             "learner.backend.type=fsdp2 or learner.lora.rank=0")
         from rlmesh.learner.train.backends.megatron import MegatronBackend
 
         return MegatronBackend(model_path, tensor_parallel=cfg.backend.tensor_parallel,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,35 +15,45 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rlmesh.learner.train import lora as adapters
 from rlmesh.learner.train.backends.base import LossFn
 from rlmesh.learner.train.batch import MicroBatch
 from rlmesh.learner.train.distributed import init_distributed
+from rlmesh.services.weights.lora import is_adapter, stored_name, write_adapter
 from rlmesh.services.weights.wire import TensorMeta
+
+if TYPE_CHECKING:
+    from rlmesh.services.config import LoRASection
 
 log = logging.getLogger(__name__)
 
 
 class FSDP2Backend:
     def __init__(self, model_path: str, *, lr: float, weight_decay: float, max_grad_norm: float,
-                 param_dtype: str = "float32", seed: int = 0) -> None:
+                 param_dtype: str = "float32", seed: int = 0, lora: LoRASection | None = None) -> None:
         self.rank, self.world_size = init_distributed()
         self.dp_rank, self.dp_size = self.rank, self.world_size  # FSDP2 shards only: every rank is a replica
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(seed)
         self.model_path, self.param_dtype = model_path, param_dtype
-        self.model = model = self._sharded_model()
+        # learner.lora: peft wraps the model before sharding; only the adapter trains and is broadcast.
+        self.lora = lora if lora is not None and lora.rank else None
+        self.model = model = self._sharded_model(self.lora)
         # The KL penalty's frozen reference policy: built on first use (algorithm.kl.coef > 0).
         self.reference: torch.nn.Module | None = None
         self.max_grad_norm = max_grad_norm
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                           weight_decay=weight_decay)
 
-    def _sharded_model(self) -> torch.nn.Module:
+    def _sharded_model(self, lora: LoRASection | None = None) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.to(self.device)
+        if lora is not None:
+            model = adapters.wrap(model, lora)
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.param_dtype), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
+        for layer in adapters.decoder_layers(model):
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         return model
@@ -109,22 +120,46 @@ class FSDP2Backend:
         return out
 
     def weight_metas(self) -> list[TensorMeta]:
-        return [TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                for name, t in self.model.state_dict().items()]
+        names = self.model.state_dict()
+        if self.lora is not None:  # the broadcast moves the adapter only (served form, see learner.train.lora)
+            names = {stored_name(n): t for n, t in names.items() if is_adapter(n)}
+        return [TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in names.items()]
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _gathered(self, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         # One parameter gathered at a time: never a second full copy of the model.
         for name, t in self.model.state_dict().items():
-            yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+            if not adapter_only or is_adapter(name):
+                yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.lora is not None:
+            yield from adapters.served(self._gathered(adapter_only=True), self.lora)
+        else:
+            yield from self._gathered()
 
     def save_pretrained(self, path: str) -> None:
-        state = dict(self.full_weights())
+        """An HF model directory; with learner.lora, the base model with the adapter merged in."""
+        if self.lora is not None:
+            state = dict(adapters.merged(self._gathered(), adapters.scale_of(self.lora)))
+            if self.rank == 0:
+                self.model.get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
+            return
+        state = dict(self._gathered())
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+
+    def save_adapter(self, path: Path) -> None:
+        """With learner.lora: the adapter in peft's own format (rank 0 writes; a collective)."""
+        state = {stored_name(n): t for n, t in self._gathered(adapter_only=True)}
+        if self.rank == 0:
+            write_adapter(path, state, adapters.stored_config(self.model, self.model_path))
 
     def save_checkpoint(self, path: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+        if self.lora is not None:
+            # Next to the sharded state: the adapter alone, readable without rlmesh (`rlmesh export`).
+            self.save_adapter(path.parent / "adapter")
 
     def load_checkpoint(self, path: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

@@ -1,0 +1,97 @@
+"""Serving the learner's LoRA adapter (`learner.lora`): vLLM runs the base model with LoRA enabled,
+and each weight update brings only the adapter's tensors, over the same gloo group and digest as a
+full update.
+
+A new adapter per version, not one overwritten in place: the worker's engine writes the received
+tensors to `<root>/v<version>/` (peft's adapter files) and the generator sends every *new* request
+with a fresh `LoRARequest` for that directory, while requests already running keep the adapter they
+started with. So each sample is produced by exactly one version's adapter and records it (no
+sample spans two versions), and nothing in vLLM's running batch changes under it; vLLM's own LRU
+drops adapters no request uses, and directories beyond the newest `KEEP_VERSIONS` are deleted."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlmesh.rollout_server.weight_engine import GlooUpdateInfo, GlooWeightTransferEngine
+from rlmesh.services.weights.gloo import ENGINE
+from rlmesh.services.weights.lora import ADAPTER_WEIGHTS, served_config, write_adapter
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlmesh.services.config import LoRASection
+
+log = logging.getLogger(__name__)
+
+ADAPTER_ENGINE = f"{ENGINE}_lora"
+"""The vLLM weight-transfer engine that receives adapters (the gloo transport, written to disk)."""
+ROOT_ENV = "RLMESH_LORA_DIR"
+"""Where the worker writes version directories (set by the rollout server before vLLM starts its workers)."""
+KEEP_VERSIONS = 8
+"""Adapter directories kept: a request paused across updates may still need its adapter loaded."""
+
+
+class AdapterWeightTransferEngine(GlooWeightTransferEngine):
+    """Receives the adapter like any update (same group, same digest) and writes it as a version
+    directory; the base model's weights are never touched, so no layerwise reload."""
+
+    reloads_model = False
+
+    def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
+        tensors = {name: t.clone() for name, t in named}
+        if self.parallel_config.rank != 0:
+            return  # one directory per server: tensor-parallel rank 0 writes it, every rank digests
+        bad = [n for n in tensors if ".lora_A." not in n and ".lora_B." not in n]
+        if bad:
+            raise ValueError(f"this rollout server serves a LoRA adapter (learner.lora.rank > 0) but the update "
+                             f"carries non-adapter tensors such as {bad[0]!r}; start the learner with the same "
+                             "learner.lora section")
+        write_adapter(version_dir(Path(os.environ[ROOT_ENV]), update_info.version), tensors, served_config(tensors))
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version}"
+
+
+class ServedAdapter:
+    """The rollout server's side: vLLM's LoRA engine arguments, and the `LoRARequest` new requests
+    carry (None until the first adapter arrives: version 0's adapter is zero, i.e. the base model)."""
+
+    engine = ADAPTER_ENGINE
+
+    def __init__(self, cfg: LoRASection) -> None:
+        self.cfg = cfg
+        self.root = Path(tempfile.mkdtemp(prefix="rlmesh-lora-"))
+        os.environ[ROOT_ENV] = str(self.root)  # inherited by the worker processes vLLM spawns
+        self.request = None
+        self._next_id = 0
+
+    def engine_args(self) -> dict[str, Any]:
+        # Two adapters in a batch: the new version's, and the one requests paused across the
+        # update still run under.
+        return {"enable_lora": True, "max_lora_rank": self.cfg.rank, "max_loras": 2, "max_cpu_loras": 4}
+
+    def switch(self, version: int) -> None:
+        """New requests use the adapter the worker just wrote for `version`."""
+        from vllm.lora.request import LoRARequest
+
+        path = version_dir(self.root, version)
+        if not (path / ADAPTER_WEIGHTS).is_file():
+            raise RuntimeError(f"weight update v{version} finished but no adapter was written to {path}")
+        # A fresh id per update, never reused: the same version number can come again from a learner
+        # resumed from an older checkpoint, and vLLM caches adapters by id.
+        self._next_id += 1
+        self.request = LoRARequest(f"v{version}-{self._next_id}", self._next_id, str(path))
+        for old in sorted(self.root.glob("v*"), key=os.path.getmtime)[:-KEEP_VERSIONS]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("serving LoRA adapter v%d (%s)", version, path)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
