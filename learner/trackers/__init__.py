@@ -21,19 +21,26 @@ def build_trackers(logging: LoggingSection, run_dir: Path, run_name: str, config
     for name in dict.fromkeys(logging.trackers):
         if name == "jsonl":
             continue
-        if name == "tensorboard":
-            from rlmesh.learner.trackers.tensorboard import TensorBoardTracker
-
-            out.append(TensorBoardTracker(run_dir, config))
-        elif name == "wandb":
-            from rlmesh.learner.trackers.wandb import WandbTracker
-
-            out.append(WandbTracker(run_dir, run_name, config, project=logging.wandb_project))
-        elif name == "mlflow":
-            from rlmesh.learner.trackers.mlflow import MlflowTracker
-
-            out.append(MlflowTracker(run_dir, run_name, config, tracking_uri=logging.mlflow_tracking_uri,
-                                     experiment=logging.mlflow_experiment))
-        else:
-            raise ValueError(f"logging.trackers: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
+        try:
+            out.append(_build(name, logging, run_dir, run_name, config))
+        except ImportError as err:
+            raise ValueError(f"logging.trackers names {name!r}, whose package is not installed ({err}); "
+                             f"install it with `pip install 'rlmesh[trackers]'` or drop {name!r}") from None
     return out
+
+
+def _build(name: str, logging: LoggingSection, run_dir: Path, run_name: str, config: dict[str, Any]) -> Tracker:
+    if name == "tensorboard":
+        from rlmesh.learner.trackers.tensorboard import TensorBoardTracker
+
+        return TensorBoardTracker(run_dir, config)
+    if name == "wandb":
+        from rlmesh.learner.trackers.wandb import WandbTracker
+
+        return WandbTracker(run_dir, run_name, config, project=logging.wandb_project)
+    if name == "mlflow":
+        from rlmesh.learner.trackers.mlflow import MlflowTracker
+
+        return MlflowTracker(run_dir, run_name, config, tracking_uri=logging.mlflow_tracking_uri,
+                             experiment=logging.mlflow_experiment)
+    raise ValueError(f"logging.trackers: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")

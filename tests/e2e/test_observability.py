@@ -88,7 +88,8 @@ def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monke
         ports = _ports(run_dir)
         up.wait_for(lambda: _scrape(ports["learner"]).get("rlmesh_learner_policy_version", 0) >= 1, 600, "step 1")
         first = {tier: _scrape(port) for tier, port in ports.items()}
-        time.sleep(3.0)
+        version = first["learner"]["rlmesh_learner_policy_version"]
+        up.wait_for(lambda: _scrape(ports["learner"])["rlmesh_learner_policy_version"] > version, 600, "a later step")
         second = {tier: _scrape(port) for tier, port in ports.items()}
         assert up.finish(timeout=600) == 0, up.output()[-4000:]
     finally:
