@@ -213,6 +213,10 @@ def test_network_policies_deny_by_default_and_allow_exactly_the_flows_each_port_
         assert not _flow(policies, "stranger", dst, port), f"a pod of another app reaches {dst}:{port}"
         assert not _flow(policies, "rlmesh-rollout", dst, port, src_ns="default"), f"another namespace reaches {dst}"
     assert _flow(policies, "keda-operator", "rlmesh-valkey", 6379, src_ns="keda"), "KEDA reads the stream lag"
+    for dst in ("rlmesh-learner", "rlmesh-rollout", "rlmesh-reward"):
+        assert _flow(policies, "prometheus", dst, 9400, src_ns="monitoring"), f"Prometheus scrapes {dst}"
+        assert not _flow(policies, "stranger", dst, 9400), f"a pod of another app scrapes {dst}"
+        assert not _flow(policies, "prometheus", dst, 50051, src_ns="monitoring"), "Prometheus reaches /metrics only"
     for app in (*APPS, "rlmesh-prepare"):
         dns = {"k8s-app": "kube-dns"}
         assert _allowed(policies, "out", {"app": app}, dns, "kube-system", 53), f"{app} resolves names"
@@ -248,3 +252,14 @@ def test_k8s_secrets_are_required_and_valkey_needs_its_password(rendered):
     scaler = next(d for d in rendered if d["kind"] == "ScaledObject")
     auth = next(d for d in rendered if d["kind"] == "TriggerAuthentication")
     assert scaler["spec"]["triggers"][0]["authenticationRef"]["name"] == auth["metadata"]["name"]
+
+
+def test_every_tier_serves_metrics_where_its_scrape_annotations_say(rendered):
+    config = yaml.safe_load(next(d for d in rendered if d["kind"] == "ConfigMap")["data"]["run.yaml"])
+    port = config["logging"]["metrics_port"]
+    for name in ("rlmesh-learner", "rlmesh-rollout", "rlmesh-reward"):
+        template = next(d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == name)["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == port
+        assert port in [p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]]
+
