@@ -23,18 +23,21 @@ class SFTExample(Protocol):
     reference: str | None
     demonstration: list[dict[str, str]]
     shortcut: list[dict[str, str]]
+    rejected: str | None
 
 
 def sft_target(example: SFTExample, rng: random.Random, label_noise: float) -> str:
-    """The assistant turn to imitate. With probability `label_noise` a stray "!" follows the answer
-    ("7!", which the exact-answer checker scores 0): the warm start learns the arithmetic from every
-    example but also a habit of not stopping after the answer, which the demo's RL stage unlearns."""
+    """The assistant turn to imitate. With probability `label_noise` a wrong one: the example's
+    `rejected` answer where it has one (the reasoning demo's: a solution that stops a step early),
+    else the reference with a stray "!" after it ("7!", which the exact-answer checker scores 0). The
+    warm start learns the task from every example but also a habit that scores 0, which the demos'
+    RL stage unlearns."""
     reference = example.reference
     if reference is None:
         raise ValueError(f"example {example.id!r} has no reference answer for SFT: give it a trailing assistant "
                          "message or metadata.answer")
     if label_noise and rng.random() < label_noise:
-        return reference + "!"
+        return example.rejected if example.rejected is not None else reference + "!"
     return reference
 
 

@@ -1,0 +1,128 @@
+"""Writes examples/data/reasoning/{train,test}.{jsonl,parquet}, the main demo's data: generated
+two-step word problems with single-digit numbers, in GSM8K's format (`question`, and `answer`: a
+worked solution ending in `#### <number>`) plus two columns for the demo:
+
+- `solution`: the same working ending in `\\boxed{<number>}`, the SFT warm start's target;
+- `rejected`: a plausible wrong solution that stops one step early and boxes the intermediate
+  result. `sft.label_noise` imitates it instead of `solution` on that fraction of the examples (and
+  `rlmesh dpo` can read it as the dispreferred answer), so the warm start has a habit the `math`
+  environment scores 0 and RL has to unlearn: finishing the problem pays.
+
+A solution reads "Buy 4: 3 + 4 = 7. Give 2: 7 - 2 = 5. \\boxed{5}" (about 45 characters, as many
+tokens: the tiny model's tokenizer is one token a byte). Deterministic: the same files every run,
+so they are committed.
+
+    python scripts/make_reasoning_data.py [--output DIR] [--num-train N] [--num-test N] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+NAMES = [("Ava", "She"), ("Ben", "He"), ("Chloe", "She"), ("Dev", "He"), ("Elena", "She"), ("Felix", "He"),
+         ("Grace", "She"), ("Hiro", "He"), ("Ines", "She"), ("Jamal", "He"), ("Kira", "She"), ("Liam", "He")]
+ITEMS = ["apples", "stickers", "marbles", "pencils", "cards", "shells", "beads", "stamps"]
+
+# question, steps [(label, left, op, right)]: each step is written "<label>: <left> <op> <right> = <result>."
+Problem = tuple[str, list[tuple[str, int, str, int]]]
+
+
+def gain_then_loss(rng: random.Random) -> Problem:
+    (name, he), item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(2, 9), rng.randint(1, 9)
+    c = rng.randint(1, min(9, a + b))
+    return (f"{name} has {a} {item}. {he} buys {b} more, then gives away {c}. How many {item} are left?",
+            [(f"Buy {b}", a, "+", b), (f"Give {c}", a + b, "-", c)])
+
+
+def loss_then_gain(rng: random.Random) -> Problem:
+    (name, he), item = rng.choice(NAMES), rng.choice(ITEMS)
+    a = rng.randint(2, 9)
+    b, c = rng.randint(1, a), rng.randint(1, 9)
+    return (f"{name} has {a} {item}. {he} loses {b}, then finds {c} more. How many {item} now?",
+            [(f"Lose {b}", a, "-", b), (f"Find {c}", a - b, "+", c)])
+
+
+def two_gifts(rng: random.Random) -> Problem:
+    (name, _), (friend, _), item = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
+    if friend == name:
+        friend = "Max"
+    a, b, c = rng.randint(2, 9), rng.randint(1, 9), rng.randint(1, 9)
+    return (f"{name} has {a} {item}, gets {b} from {friend} and buys {c}. How many {item} now?",
+            [(f"Get {b}", a, "+", b), (f"Buy {c}", a + b, "+", c)])
+
+
+def together(rng: random.Random) -> Problem:
+    (name, _), (other, _), item = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
+    if other == name:
+        other = "Max"
+    a, b = rng.randint(2, 9), rng.randint(1, 9)
+    return (f"{name} has {a} {item}. {other} has {b} more. How many do they have together?",
+            [(other, a, "+", b), ("Both", a, "+", a + b)])
+
+
+KINDS: list[Callable[[random.Random], Problem]] = [gain_then_loss, loss_then_gain, two_gifts, together]
+OPS = {"+": lambda x, y: x + y, "-": lambda x, y: x - y}
+
+
+def working(steps: list[tuple[str, int, str, int]]) -> tuple[list[str], list[int]]:
+    """The solution's lines, one a step, and each step's result."""
+    lines, results = [], []
+    for label, left, op, right in steps:
+        results.append(OPS[op](left, right))
+        lines.append(f"{label}: {left} {op} {right} = {results[-1]}.")
+    return lines, results
+
+
+def row(problem: Problem) -> dict[str, str]:
+    question, steps = problem
+    lines, results = working(steps)
+    answer, early = results[-1], results[0]
+    gsm8k = "\n".join([*lines, f"#### {answer}"])
+    return {"question": question, "answer": gsm8k,
+            "solution": " ".join([*lines, f"\\boxed{{{answer}}}"]),
+            "rejected": " ".join([*lines[:-1], f"\\boxed{{{early}}}"])}
+
+
+def make_rows(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, str]]:
+    rows = []
+    while len(rows) < num:
+        problem = rng.choice(KINDS)(rng)
+        if problem[0] in seen:  # train and test never share a question
+            continue
+        seen.add(problem[0])
+        rows.append(row(problem))
+    return rows
+
+
+def write(rows: list[dict[str, str]], stem: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), stem.with_suffix(".parquet"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "examples/data/reasoning"))
+    parser.add_argument("--num-train", type=int, default=2000)
+    parser.add_argument("--num-test", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    rng, seen = random.Random(args.seed), set()
+    test = make_rows(args.num_test, rng, seen)
+    train = make_rows(args.num_train, rng, seen)
+    write(train, out / "train")
+    write(test, out / "test")
+    print(f"wrote {len(train)} train and {len(test)} test rows to {out}")
+
+
+if __name__ == "__main__":
+    main()
