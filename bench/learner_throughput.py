@@ -9,6 +9,9 @@ measured: the learner's real step (`Trainer.step`: GRPO objective -> run_step ->
 scaling:  the same learner step under torchrun with 2 gloo ranks vs 1 rank (step time ratio).
 megatron: the same learner step on the Megatron-core backend (learner.backend.type=megatron), 1 rank
           and tensor-parallel over 2 gloo ranks, against FSDP2 on the same ranks.
+long tail (--long-tail, instead of the rows above): completions of 16..1,024 tokens (log-uniform),
+          the learner step with count-based padded micro-batches vs token-budget micro-batches
+          (learner.max_tokens_per_micro_batch), 1 rank each, and the ratio (target >= 1.5).
 Prints training tokens/s (prompt + completion tokens through forward/backward) of each and the
 ratios. Run: python bench/learner_throughput.py [--hidden 256 --layers 4 --groups 16]"""
 
@@ -45,6 +48,23 @@ def make_groups(num_groups: int, n: int, prompt_len: int, completion_len: int, v
     return groups
 
 
+def make_long_tail_groups(num_groups: int, n: int, prompt_len: int, vocab: int, seed: int = 0,
+                          min_len: int = 16, max_len: int = 1024):
+    """Like make_groups, with completion lengths log-uniform in [min_len, max_len]: most short, a few long."""
+    import math
+
+    groups = make_groups(num_groups, n, prompt_len, 2, vocab, seed)
+    rng = random.Random(seed + 1)
+    for group in groups:
+        for sample in group.samples:
+            num = int(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))
+            ids = [rng.randrange(3, vocab) for _ in range(num)]
+            sample.completion.token_ids[:] = ids
+            sample.completion.loss_mask[:] = [True] * num
+            sample.logprobs[:] = [-rng.uniform(3, 7) for _ in ids]
+    return groups
+
+
 def config_for(model_dir: Path, micro_batch_size: int, overrides: list[str] | None = None):
     from rlmesh.services.config import load_config
 
@@ -65,7 +85,9 @@ def time_learner(model_dir: Path, args) -> dict:
     if trainer.rank != 0:
         trainer.follow()
         return {}
-    seqs = trainer.objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
+    groups = (make_long_tail_groups(args.groups, args.n, args.prompt_len, 200) if args.long_tail else
+              make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
+    seqs = trainer.objective.sequences(groups)
     trainer.step(seqs, 1e-4)  # warm-up
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -136,6 +158,9 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--no-megatron", action="store_true", help="leave out the Megatron-core rows")
+    p.add_argument("--long-tail", action="store_true",
+                   help="only the long-tail comparison: padded vs token-budget micro-batches")
+    p.add_argument("--max-tokens-per-micro-batch", type=int, default=4096, help="the budget of --long-tail")
     p.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="an rlmesh config override for both sides, e.g. algorithm.recompute_old_logprobs=true")
@@ -157,6 +182,9 @@ def main() -> None:
         spec = TinyModelSection(hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
                                 intermediate_size=args.hidden * 2)
         model_dir = write_tiny_model(spec, tmp / "model", seed=0)
+        if args.long_tail:
+            long_tail(model_dir, args, tmp)
+            return
         plain = time_plain_pytorch(model_dir, args)
         one = torchrun_learner(model_dir, 1, args, tmp)
         two = torchrun_learner(model_dir, 2, args, tmp)
@@ -190,6 +218,23 @@ def main() -> None:
         print(f"Megatron TP=2 / FSDP2 2 ranks step time: {result['megatron_tp2_over_fsdp2_2rank_step_time']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def long_tail(model_dir: Path, args, tmp: Path) -> None:
+    budget = args.max_tokens_per_micro_batch
+    padded = torchrun_learner(model_dir, 1, args, tmp)
+    budgeted = torchrun_learner(model_dir, 1, args, tmp, (f"learner.max_tokens_per_micro_batch={budget}",))
+    ratio = budgeted["tokens_per_s"] / padded["tokens_per_s"]
+    print(f"model: hidden {args.hidden}, {args.layers} layers; long-tail batch {args.groups}x{args.n} sequences, "
+          f"completions 16..1024 tokens, prompt {args.prompt_len}")
+    print(f"{'path':52s} {'step s':>8s} {'train tok/s':>12s}")
+    print(f"{f'padded: micro_batch_size={args.micro_batch_size}':52s} {padded['step_s']:8.3f} "
+          f"{padded['tokens_per_s']:12.0f}")
+    print(f"{f'token budget: max_tokens_per_micro_batch={budget}':52s} {budgeted['step_s']:8.3f} "
+          f"{budgeted['tokens_per_s']:12.0f}")
+    print(f"ratio (budgeted / padded tokens/s): {ratio:.2f}   (target >= 1.5)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"padded": padded, "budgeted": budgeted, "ratio": ratio}, indent=2))
 
 
 if __name__ == "__main__":

@@ -482,6 +482,8 @@ class LearnerSection(Section):
     """Prompt groups consumed per optimizer step."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Build micro-batches by a padded-token budget (rows x longest row) over length-sorted sequences instead of micro_batch_size sequences in order: long-tail batches pad far less; the step's loss and update are the same (0: off)."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on held-out prompts every N steps (0: only before and after)."""
     eval_overlap: bool = True
@@ -526,7 +528,7 @@ class SFTSection(Section):
     lr: float = Field(3e-3, gt=0)
     """SFT learning rate."""
     label_noise: float = Field(0.0, ge=0, le=1)
-    """Fraction of SFT targets made wrong so the warm start leaves room for RL: a single answer is replaced by the example's `rejected` answer where it has one (data.rejected_key), else gets a stray trailing "!"; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
+    """Fraction of SFT targets made wrong so the warm start leaves room for RL: a stray trailing "!" on a single answer; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
 
 
 class DPOSection(Section):
@@ -566,6 +568,8 @@ class KLSection(Section):
     """Weight of the KL penalty to the reference policy (the frozen starting model); 0: off, no reference model is built."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(pi || pi_ref) on sampled tokens, d = log pi - log pi_ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d."""
+    clamp: float = Field(10.0, gt=0)
+    """Each token's estimate is clamped to [-clamp, clamp] (as verl's low_var_kl): on stale samples k3 grows like exp(-d) where the policy has since made a sampled token unlikely, and one such token would otherwise outweigh the step."""
     where: Literal["loss", "reward"] = "loss"
     """`loss`: coef * estimator(pi_theta, pi_ref) added to each token's loss (differentiated); `reward`: coef * the summed estimator of the sampled sequence under the behaviour policy subtracted from its reward before advantages."""
 
@@ -771,6 +775,11 @@ class RunConfig(Section):
                 f"queue.max_len={self.queue.max_len} is below the in-flight bound "
                 f"(algorithm.max_staleness + 1) * learner.groups_per_step; raise queue.max_len"
             )
+        if self.learner.max_tokens_per_micro_batch and self.dpo.num_steps:
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch={self.learner.max_tokens_per_micro_batch} sorts sequences by "
+                f"length, which would split DPO's (chosen, rejected) pairs (dpo.num_steps={self.dpo.num_steps}); set "
+                "learner.max_tokens_per_micro_batch=0 for a DPO run")
         if self.algorithm.kl.coef > 0 and self.learner.backend.type != "fsdp2":
             raise ValueError(
                 f"algorithm.kl.coef={self.algorithm.kl.coef} needs a reference model, and the "

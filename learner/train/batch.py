@@ -65,20 +65,49 @@ def padding_micro(pad_id: int) -> MicroBatch:
     return micro
 
 
-def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world_size: int = 1) -> list[MicroBatch]:
+def budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices into `lengths`, grouped into micro-batches of at most `max_tokens` padded tokens
+    (rows x the longest row): longest first, so each micro-batch holds similar lengths and pads
+    little. A sequence longer than the budget gets a micro-batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        # Sorted longest first: the group's first row sets its padded length.
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world_size: int = 1,
+              max_tokens: int = 0) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step over `seqs` (the whole step's batch).
 
     Ranks take contiguous equal shares; every rank gets the same number of micro-batches (padded
     with empty ones), and every micro-batch carries the whole step's normalisers, so the summed
-    gradient over ranks equals the single-rank step's."""
+    gradient over ranks equals the single-rank step's. `size` sequences per micro-batch in order,
+    or with `max_tokens` > 0, micro-batches by padded-token budget over length-sorted sequences
+    (`budget_groups`); every rank plans every rank's share (all see the whole batch), so all agree
+    on the count without communicating."""
     num_tokens = float(sum(sum(1 for m in s.loss_mask if m) for s in seqs)) or 1.0
     per_rank = -(-len(seqs) // world_size)
-    local = seqs[rank * per_rank : (rank + 1) * per_rank]
-    num_micro = max(-(-per_rank // size), 1)
+
+    def share(r: int) -> list[list[int]]:
+        indices = list(range(r * per_rank, min((r + 1) * per_rank, len(seqs))))
+        if not max_tokens:
+            return [indices[i : i + size] for i in range(0, len(indices), size)]
+        lengths = [len(seqs[i].prompt_ids) + len(seqs[i].completion_ids) for i in indices]
+        return [[indices[j] for j in group] for group in budget_groups(lengths, max_tokens)]
+
+    if max_tokens:
+        num_micro = max(max(len(share(r)) for r in range(world_size)), 1)
+    else:
+        num_micro = max(-(-per_rank // size), 1)
     micros = []
-    for i in range(0, len(local), size):
-        micro = pack(local[i : i + size], pad_id)
-        micro.seq_index_B = list(range(rank * per_rank + i, rank * per_rank + i + len(micro.advantages_B)))
+    for group in share(rank):
+        micro = pack([seqs[i] for i in group], pad_id)
+        micro.seq_index_B = group
         micros.append(micro)
     micros += [padding_micro(pad_id) for _ in range(num_micro - len(micros))]
     for m in micros:

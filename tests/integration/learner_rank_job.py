@@ -2,7 +2,7 @@
 the baseline's fixed batch, optional checkpoint load/save, a weight fingerprint), other ranks follow.
 
     torchrun --nproc-per-node N learner_rank_job.py MODEL_DIR OUT_JSON [--load CKPT_DIR] [--save CHECKPOINTS_ROOT]
-        [--steps-before-save K] [--steps N]
+        [--steps-before-save K] [--steps N] [--override KEY=VALUE ...]
 
 `job_parser`, `drive` and `torchrun` are shared with megatron_rank_job.py and the tests."""
 
@@ -31,6 +31,7 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--steps-before-save", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int, default=12)
+    p.add_argument("--override", action="append", default=[], help="a config override (repeatable)")
     return p
 
 
@@ -74,7 +75,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> dict:
 
 def main() -> None:
     args = job_parser().parse_args()
-    result = drive(make_trainer(Path(args.model_dir), args.micro_batch_size), args)
+    result = drive(make_trainer(Path(args.model_dir), args.micro_batch_size, *args.override), args)
     if result is not None:
         Path(args.out).write_text(json.dumps(result))
 

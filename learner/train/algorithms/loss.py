@@ -33,6 +33,7 @@ class LossConfig:
     """The off-policy correction; None: token-level TIS capped at `tis_cap`."""
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_clamp: float | None = None
     kl_in_loss: bool = False
     """Add kl_coef * estimator(pi_theta, pi_ref) to each token's loss (needs micro.ref_logprobs_BT)."""
 
@@ -60,7 +61,7 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
     per_token_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1) * tis_BT * mask_BT
     if cfg.kl_in_loss:
         assert micro.ref_logprobs_BT is not None, "reference logprobs must be computed before the step"
-        kl_BT = kl_estimate(logprobs_BT, micro.ref_logprobs_BT, cfg.kl_estimator)
+        kl_BT = kl_estimate(logprobs_BT, micro.ref_logprobs_BT, cfg.kl_estimator, cfg.kl_clamp)
         per_token_BT = per_token_BT + cfg.kl_coef * kl_BT * mask_BT
 
     # Normalisers span the whole step so micro-batch splits do not change the gradient.

@@ -23,7 +23,7 @@ class Objective(Protocol):
     """Compute the frozen reference policy's logprobs (`micro.ref_logprobs_BT`) before the step (KL penalty)."""
     kl_in_reward: bool
     """The KL penalty goes into the rewards: `reshape_advantages` is called with each sequence's KL before the step
-    (such an objective also names its `kl_estimator`: k1, k2 or k3)."""
+    (such an objective also names its `kl_estimator`, k1, k2 or k3, and `kl_clamp`)."""
     temperature: float
     """Temperature the policy's logprobs are taken at: the sampling temperature for RL, 1 for data."""
 
@@ -40,12 +40,13 @@ class Objective(Protocol):
 
 
 def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence], *, micro_batch_size: int,
-             pad_id: int, lr: float) -> dict[str, float]:
+             pad_id: int, lr: float, max_tokens_per_micro_batch: int = 0) -> dict[str, float]:
     """One optimizer step over the whole batch `seqs`; called on every rank with the same `seqs`."""
     from rlmesh.learner.train.batch import plan_step
 
     # Shard by data-parallel rank: tensor/pipeline-parallel peers must see the same micro-batches.
-    micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size)
+    micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size,
+                       max_tokens=max_tokens_per_micro_batch)
     if objective.needs_old_logprobs:
         for m in micros:
             m.old_logprobs_BT = backend.compute_logprobs(m, objective.temperature)
@@ -73,7 +74,7 @@ def reward_kl(backend: TrainingBackend, objective: Objective, seqs: list[Sequenc
     for m in micros:
         if m.is_padding:
             continue
-        kl_BT = kl_estimate(m.behaviour_logprobs_BT, m.ref_logprobs_BT, objective.kl_estimator)
+        kl_BT = kl_estimate(m.behaviour_logprobs_BT, m.ref_logprobs_BT, objective.kl_estimator, objective.kl_clamp)
         kl_B[m.seq_index_B] = (kl_BT * m.loss_mask_BT).sum(-1).double()
     if backend.dp_size > 1:
         # Each sequence lives on one rank; the others hold 0 for it. Data-parallel ranks only:

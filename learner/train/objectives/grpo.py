@@ -27,12 +27,12 @@ class GRPOObjective:
         self.needs_old_logprobs = cfg.recompute_old_logprobs
         self.needs_ref_logprobs = cfg.kl.coef > 0
         self.kl_in_reward = self.needs_ref_logprobs and cfg.kl.where == "reward"
-        self.kl_coef, self.kl_estimator = cfg.kl.coef, cfg.kl.estimator
+        self.kl_coef, self.kl_estimator, self.kl_clamp = cfg.kl.coef, cfg.kl.estimator, cfg.kl.clamp
         off = cfg.off_policy
         self.cfg = LossConfig(cfg.name, cfg.clip_low, cfg.clip_high, cfg.tis_cap, max_tokens,
                               old_from_forward=not cfg.recompute_old_logprobs,
                               off_policy=OffPolicyConfig(off.mode, cfg.tis_cap, off.low, off.high, off.seq_ratio),
-                              kl_coef=cfg.kl.coef, kl_estimator=cfg.kl.estimator,
+                              kl_coef=cfg.kl.coef, kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp,
                               kl_in_loss=self.needs_ref_logprobs and cfg.kl.where == "loss")
 
     @classmethod

@@ -83,3 +83,13 @@ def test_reshape_advantages_by_hand():
     objective.reshape_advantages(seqs, torch.tensor([0.2, 0.0, 0.0, 1.0], dtype=torch.float64))
     # dr_grpo: r - mean. Group a: rewards 0.9, 0.0 -> +-0.45; group b: 1.0, 0.5 -> +-0.25.
     assert [s.advantage for s in seqs] == pytest.approx([0.45, -0.45, 0.25, -0.25])
+
+
+def test_clamp_bounds_the_estimate_and_stops_its_gradient():
+    # d = -12: k3 = exp(12) - 13 ~ 1.6e5 unclamped.
+    logprobs = torch.tensor([-13.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.2])
+    kl = kl_estimate(logprobs, ref, "k3", clamp=10.0)
+    assert kl[0].item() == 10.0 and kl[1].item() == pytest.approx(math.exp(-0.2) - 1 + 0.2)
+    kl.sum().backward()
+    assert logprobs.grad[0].item() == 0.0 and logprobs.grad[1].item() != 0.0
