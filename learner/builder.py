@@ -138,10 +138,11 @@ def bounds(config: RunConfig, model_path: str) -> Bounds:
     """What a well-formed trajectory group stays within, for this model and rollout config."""
     from transformers import AutoConfig
 
-    rollout = config.rollout
-    return Bounds(vocab_size=AutoConfig.from_pretrained(model_path).vocab_size,
-                  max_abs_reward=config.reward.max_abs_reward,
-                  max_seq_len=max(rollout.max_model_len, rollout.episode.max_total_tokens or 0))
+    model = AutoConfig.from_pretrained(model_path)
+    # A multi-turn episode's last environment message may run past the rollout context; the model's
+    # positions are the real limit.
+    return Bounds(vocab_size=model.vocab_size, max_abs_reward=config.reward.max_abs_reward,
+                  max_seq_len=max(config.rollout.max_model_len, getattr(model, "max_position_embeddings", 0)))
 
 
 def note_run_id(run_dir: Path, run_id: str) -> set[str]:

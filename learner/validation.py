@@ -29,7 +29,7 @@ class Bounds:
     max_abs_reward: float
     """Rewards and reward components must be finite and within +/- this (reward.max_abs_reward)."""
     max_seq_len: int
-    """Prompt plus completion tokens of one sample (the rollout tier's context length)."""
+    """Prompt plus completion tokens of one sample (the model's positions, at least the rollout context)."""
 
 
 def _token_problem(ids, vocab_size: int, what: str) -> str:
