@@ -378,7 +378,8 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
                   f"dropped stale groups: {summary['num_dropped_stale']}")
             same = summary["last_weights_sha256"] == summary["learner_weights_sha256"]
             print(f"weights: {summary['weights_verified_versions']} broadcasts verified by digest; rollout weights "
-                  f"{'==' if same else '!='} learner weights (sha256 {summary['learner_weights_sha256'][:16]})")
+                  f"{'==' if same else '!='} learner weights ({summary.get('weights_digest_algorithm', 'sha256')} "
+                  f"{summary['learner_weights_sha256'][:16]})")
             print(f"reward curve: {run_dir / 'reward_curve.png'}")
             return 0 if same else 1
         time.sleep(poll_s)

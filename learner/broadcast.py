@@ -2,7 +2,9 @@
 pause -> start -> send + UpdateWeights -> finish -> verify -> resume on every generator. The bytes
 move through a transport `Sender` (gloo or NCCL); this module only drives the control plane: each
 group's rendezvous (prefix and secret, or NCCL id) goes out in InitWeightTransfer, and each worker's
-digest of what it received comes back in FinishWeightUpdate and is checked against what was sent."""
+digest of what it received comes back in FinishWeightUpdate and is checked against what was sent.
+The digest algorithm is agreed per group: weight_sync.digest_algorithm if every member lists it in
+its InitWeightTransfer reply, else sha256 (what a server that lists nothing, an older one, digests with)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,33 @@ class WeightBroadcaster:
         self.verified_versions: list[int] = []
         self.sent_versions: list[int] = []
         self.last_digest = ""
+        self.digest_algorithm = "sha256"
+        """The algorithm of this group's digests (and of last_digest)."""
+        self.combined = False
+        """Every member of this group pauses in StartWeightUpdate and resumes in FinishWeightUpdate."""
+        self._fanout: asyncio.Semaphore | None = None
+
+    def _bounded(self, call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
+        """`call()` with at most weight_sync.control_concurrency such calls in flight. Only for the
+        calls that do not wait on each other (pause, start, finish, resume): InitWeightTransfer and
+        UpdateWeights block in a collective every member must enter, so those all go out at once."""
+        if self._fanout is None:
+            self._fanout = asyncio.Semaphore(self.cfg.control_concurrency)
+
+        async def run() -> Any:
+            async with self._fanout:
+                return await call()
+
+        return asyncio.ensure_future(run())
+
+    async def _connect(self, members: list[Generator]) -> None:
+        """Open the channels of members that have none yet (bounded): the first call on a channel
+        dials it, and a thousand servers dialled in the same instant by InitWeightTransfer is a
+        connection storm in which calls fail (CANCELLED) on both sides."""
+        new = [g for g in members if not g.in_group]
+        wait_s = min(self.cfg.timeout_s, 10.0)
+        await asyncio.gather(*(self._bounded(lambda g=g: asyncio.wait_for(g.channel.channel_ready(), wait_s))
+                               for g in new), return_exceptions=True)  # one not up fails in InitWeightTransfer
 
     async def _gather(self, what: str, calls: dict[str, asyncio.Future]) -> dict[str, Any]:
         """Every call's reply by generator id; a failed call drops its generator and raises."""
@@ -82,6 +111,7 @@ class WeightBroadcaster:
             gen.rank_offset, offset = offset, offset + gen.num_workers
         world = offset
         t0 = time.monotonic()
+        await self._connect(members)
         ticket = self.transport.rendezvous(self.epoch)
         request = lambda g: rollout_pb2.InitWeightTransferRequest(  # noqa: E731
             backend=self.cfg.backend, master_address=ticket.master_address, master_port=ticket.master_port,
@@ -95,13 +125,29 @@ class WeightBroadcaster:
             await asyncio.gather(*calls.values(), return_exceptions=True)
             await self._gather("InitWeightTransfer", calls)
             raise BroadcastError(f"transfer group epoch {self.epoch} did not form: {err}") from err
-        await self._gather("InitWeightTransfer", calls)
+        replies = await self._gather("InitWeightTransfer", calls)
+        self.digest_algorithm = self._agree_digest(replies)
+        # Pause and resume ride on Start and Finish where every member can (2 round trips fewer
+        # per step: at a thousand servers, each round is a thousand calls).
+        self.combined = all(r.combined_pause_resume for r in replies.values())
         self.formed, self.members = True, members
         self.membership.changed = False
         for g in members:
             g.in_group = True
-        log.info("%s transfer group epoch %d formed: %d generator(s), world size %d (%.1fs)",
-                 self.cfg.backend, self.epoch, len(members), world, time.monotonic() - t0)
+        log.info("%s transfer group epoch %d formed: %d generator(s), world size %d, digest %s (%.1fs)",
+                 self.cfg.backend, self.epoch, len(members), world, self.digest_algorithm, time.monotonic() - t0)
+
+    def _agree_digest(self, replies: dict[str, Any]) -> str:
+        """The configured algorithm if every member can digest with it, else sha256."""
+        wanted = self.cfg.digest_algorithm
+        if not self.transport.verifies:
+            return wanted  # nothing is digested (nccl)
+        behind = [gid for gid, r in replies.items() if wanted not in (list(r.digest_algorithms) or ["sha256"])]
+        if behind and wanted != "sha256":
+            log.warning("weight digests fall back to sha256: %s cannot digest with weight_sync.digest_algorithm=%s "
+                        "(an older rlmesh); upgrade it to get the faster digest", ", ".join(behind), wanted)
+            return "sha256"
+        return wanted
 
     async def broadcast(self, version: int, source: WeightSource) -> dict[str, float]:
         """Push the weights as `version` to every generator; returns timing metrics. A generator
@@ -121,8 +167,8 @@ class WeightBroadcaster:
         t0 = time.monotonic()
         if not self.formed or self.membership.changed:
             await self._rebuild()
-        members, epoch, timeout = self.members, self.epoch, self.cfg.timeout_s
-        each = lambda make: {g.generator_id: asyncio.ensure_future(make(g)) for g in members}  # noqa: E731
+        members, epoch, timeout, algorithm = self.members, self.epoch, self.cfg.timeout_s, self.digest_algorithm
+        each = lambda make: {g.generator_id: self._bounded(lambda g=g: make(g)) for g in members}  # noqa: E731
         phases: dict[str, float] = {}
         mark = time.monotonic()
 
@@ -131,18 +177,22 @@ class WeightBroadcaster:
             now = time.monotonic()
             phases[f"broadcast_{name}_s"], mark = now - mark, now
 
-        await self._gather("PauseGeneration", each(lambda g: g.stub.PauseGeneration(
-            rollout_pb2.PauseGenerationRequest(mode="keep"), timeout=timeout)))
-        lap("pause")
+        combined = self.combined
+        if not combined:
+            await self._gather("PauseGeneration", each(lambda g: g.stub.PauseGeneration(
+                rollout_pb2.PauseGenerationRequest(mode="keep"), timeout=timeout)))
+            lap("pause")
         await self._gather("StartWeightUpdate", each(lambda g: g.stub.StartWeightUpdate(
-            rollout_pb2.StartWeightUpdateRequest(version=version, group_epoch=epoch), timeout=timeout)))
+            rollout_pb2.StartWeightUpdateRequest(version=version, group_epoch=epoch,
+                                                 pause_mode="keep" if combined else ""), timeout=timeout)))
         lap("start")
         metas = source.metas()
         specs = [rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas]
-        updates = each(lambda g: g.stub.UpdateWeights(
-            rollout_pb2.UpdateWeightsRequest(version=version, group_epoch=epoch, tensors=specs), timeout=timeout))
+        updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(version=version, group_epoch=epoch, tensors=specs,
+                                             digest_algorithm=algorithm), timeout=timeout)) for g in members}
         try:
-            digest = await self.run_torch(lambda: self.transport.send(source.stream(), metas))
+            digest = await self.run_torch(lambda: self.transport.send(source.stream(), metas, algorithm))
         except Exception as err:
             await asyncio.gather(*updates.values(), return_exceptions=True)
             await self._gather("UpdateWeights", updates)
@@ -152,15 +202,17 @@ class WeightBroadcaster:
         await self._gather("UpdateWeights", updates)
         lap("load")  # receivers still loading the last bucket after the sender is done
         finished = await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
-            rollout_pb2.FinishWeightUpdateRequest(version=version, group_epoch=epoch), timeout=timeout)))
+            rollout_pb2.FinishWeightUpdateRequest(version=version, group_epoch=epoch, resume=combined),
+            timeout=timeout)))
         lap("finish")
         for g in members:
             g.busy_seconds = finished[g.generator_id].busy_seconds
         mismatch = self._verify(version, digest, finished) if self.transport.verifies else ""
         lap("verify")
-        await self._gather("ResumeGeneration", each(lambda g: g.stub.ResumeGeneration(
-            rollout_pb2.ResumeGenerationRequest(), timeout=timeout)))
-        lap("resume")
+        if not combined:
+            await self._gather("ResumeGeneration", each(lambda g: g.stub.ResumeGeneration(
+                rollout_pb2.ResumeGenerationRequest(), timeout=timeout)))
+            lap("resume")
         if mismatch:
             raise RuntimeError(mismatch)  # a corrupted transfer is a bug, not a retryable fault
         self.sent_versions.append(version)
@@ -178,7 +230,12 @@ class WeightBroadcaster:
     def _verify(self, version: int, digest: str, finished: dict[str, Any]) -> str:
         """"" if every worker of every member reported receiving exactly `digest`; otherwise what differs."""
         for g in self.members:
-            received = list(finished[g.generator_id].received_sha256)
+            reply = finished[g.generator_id]
+            if (reply.digest_algorithm or "sha256") != self.digest_algorithm:
+                return (f"{g.generator_id} digested weights v{version} with {reply.digest_algorithm or 'sha256'}, the "
+                        f"learner with {self.digest_algorithm}; run the same rlmesh version on learner and rollout "
+                        "servers")
+            received = list(reply.received_digests)
             if len(received) != g.num_workers:
                 return (f"{g.generator_id} reported {len(received)} worker digest(s) for v{version}, expected "
                         f"{g.num_workers}")

@@ -262,8 +262,9 @@ class Controller:
         from rlmesh.services.weights.wire import weights_digest
 
         a, first = self.admission, self.evaluator.first or before
+        algorithm = self.broadcaster.digest_algorithm
         learner_digest = await self._torch(lambda: weights_digest(self.trainer.stream_weights(),
-                                                                  self.trainer.weight_metas()))
+                                                                  self.trainer.weight_metas(), algorithm))
         summary = {
             "run_id": self.run_id, "num_steps": self.version, "max_staleness": self.k, "resumed_from": self.resumed_from,
             "num_ranks": self.trainer.world_size, "weight_transport": self.config.weight_sync.backend,
@@ -278,6 +279,7 @@ class Controller:
             "weights_verified_versions": len(self.broadcaster.verified_versions),
             "last_weights_sha256": self.broadcaster.last_digest,
             "learner_weights_sha256": learner_digest,
+            "weights_digest_algorithm": algorithm,  # of the two digests above (the keys keep their old names)
             "checkpoint": str(checkpoint),
             "stop_requested": stop_requested(self.run_dir),
         }

@@ -219,8 +219,9 @@ class VLLMGenerator:
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     async def received_digests(self) -> list[str]:
-        """sha256 of the bytes each worker received in the last update ("" where the engine does not digest)."""
-        return list(await self.engine.collective_rpc("rlmesh_received_sha256"))
+        """Digest of the bytes each worker received in the last update, in the algorithm the update
+        named ("" where the engine does not digest)."""
+        return list(await self.engine.collective_rpc("rlmesh_received_digest"))
 
     async def finish_weight_update(self, version: int) -> None:
         await self.engine.finish_weight_update(weight_version=str(version))

@@ -37,7 +37,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self.receiver = receiver
         # Called with the new version after each completed update (the server marks itself ready).
         self.on_weights = on_weights
-        self.weights_sha256 = ""  # digest of the last weights received; empty until the first update
+        self.weights_digest = ""  # digest of the last weights received; empty until the first update
+        self.digest_algorithm = ""  # the algorithm of the update in progress or last received ("" = sha256)
 
     async def Generate(self, request, context):
         group = request.prompt
@@ -67,25 +68,36 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         await self.generator.init_weight_transfer(init_info, request.group_epoch)
-        return rollout_pb2.InitWeightTransferResponse()
+        return rollout_pb2.InitWeightTransferResponse(
+            digest_algorithms=getattr(self.receiver, "digest_algorithms", ()), combined_pause_resume=True)
 
     async def StartWeightUpdate(self, request, context):
+        if request.pause_mode:  # the learner's PauseGeneration, folded into this call
+            await self.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=request.pause_mode), context)
         await self.generator.start_weight_update()
         return rollout_pb2.StartWeightUpdateResponse()
 
     async def UpdateWeights(self, request, context):
         if not request.tensors:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights lists no tensors")
-        await self.generator.update_weights(self.receiver.update_info(request))
+        try:
+            update_info = self.receiver.update_info(request)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        self.digest_algorithm = request.digest_algorithm or "sha256"
+        await self.generator.update_weights(update_info)
         return rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
 
     async def FinishWeightUpdate(self, request, context):
         await self.generator.finish_weight_update(request.version)
         received = await self.generator.received_digests()
-        self.weights_sha256 = received[0] if received else ""
+        self.weights_digest = received[0] if received else ""
         if self.on_weights is not None:
             self.on_weights(request.version)
-        return rollout_pb2.FinishWeightUpdateResponse(weights_sha256=self.weights_sha256, received_sha256=received,
+        if request.resume:  # the learner's ResumeGeneration, folded into this call
+            await self.generator.resume()
+        return rollout_pb2.FinishWeightUpdateResponse(weights_digest=self.weights_digest, received_digests=received,
+                                                      digest_algorithm=self.digest_algorithm,
                                                       busy_seconds=self.generator.busy.seconds)
 
     async def PauseGeneration(self, request, context):
@@ -105,6 +117,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             generator_id=self.generator_id, version=self.generator.version, paused=self.generator.paused,
             num_inflight_groups=w.num_inflight if w else 0, num_completed_groups=w.num_completed if w else 0,
             num_generated_tokens=self.generator.num_generated_tokens, group_epoch=self.generator.group_epoch,
-            weights_sha256=self.weights_sha256 if request.include_weights_hash else "",
+            weights_digest=self.weights_digest if request.include_weights_hash else "",
+            weights_digest_algorithm=self.digest_algorithm if request.include_weights_hash else "",
             busy_seconds=self.generator.busy.seconds,
         )

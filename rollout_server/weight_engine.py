@@ -1,12 +1,12 @@
 """vLLM worker-side weight-transfer engine for CPU: receives the learner's gloo broadcast and
-loads it in place with vLLM's layerwise reload, keeping a sha256 of the bytes it received. Registered
+loads it in place with vLLM's layerwise reload, keeping a digest of the bytes it received (in the
+algorithm the learner's UpdateWeights names: BLAKE3, or sha256 for an older learner). Registered
 under `rlmesh.services.weights.gloo.ENGINE` through the `vllm.general_plugins` entry point, so it
 exists in every process vLLM spawns. `WorkerDigests` is the worker extension through which the
 rollout server reads those digests back (and reports them to the learner over gRPC)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    digest_algorithm: str = "sha256"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -58,8 +59,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(*args, **kwargs)
         self._group = None
         self._rank = -1
-        self.received_sha256 = ""
-        """sha256 of the bytes the last update received (read through `WorkerDigests`)."""
+        self.received_digest = ""
+        """Digest of the bytes the last update received (read through `WorkerDigests`)."""
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from rlmesh.services.weights.base import Rendezvous
@@ -77,7 +78,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self.received_sha256 = ""
+        self.received_digest = ""
         if self.reloads_model:
             initialize_layerwise_reload(self.model)
 
@@ -93,20 +94,24 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         from rlmesh.services.weights.gloo import receive
-        from rlmesh.services.weights.wire import TensorMeta
+        from rlmesh.services.weights.wire import BackgroundDigest, TensorMeta
 
         if self._group is None:
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
         metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
-        digest = hashlib.sha256()
-        self.load_received(receive(self._group, metas, digest), update_info)
-        self.received_sha256 = digest.hexdigest()
+        digest = BackgroundDigest(update_info.digest_algorithm)
+        # One load_weights call over the whole stream (it takes any iterable): the next bucket is
+        # received, and this one digested on a side thread, while this one's tensors are copied in.
+        try:
+            self.load_received(receive(self._group, metas, digest), update_info)
+        except BaseException:
+            digest.close()
+            raise
+        self.received_digest = digest.hexdigest()
 
     def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
         """Take the received stream in, to its end (the digest covers all of it): here into the model,
         in place; `rlmesh.rollout_server.lora`'s engine writes an adapter instead."""
-        # One load_weights call over the whole stream (it takes any iterable): the next bucket is
-        # received while this one's tensors are copied in, without a per-tensor call overhead.
         self.model.load_weights(named)
 
     def shutdown(self) -> None:
@@ -118,8 +123,8 @@ class WorkerDigests:
     through `collective_rpc`, for the digest of what it received ("" for an engine that does not
     digest, e.g. vLLM's nccl)."""
 
-    def rlmesh_received_sha256(self) -> str:
-        return getattr(self.weight_transfer_engine, "received_sha256", "")
+    def rlmesh_received_digest(self) -> str:
+        return getattr(self.weight_transfer_engine, "received_digest", "")
 
 
 class _RotaryCacheReloadFilter(logging.Filter):

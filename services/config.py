@@ -633,6 +633,10 @@ class WeightSyncSection(Section):
     """Port of that store (0: any free port; fix it where a firewall or Service must name it)."""
     timeout_s: float = Field(120.0, gt=0)
     """Deadline of one broadcast round (rendezvous included)."""
+    control_concurrency: int = Field(64, ge=1)
+    """Most per-step control calls (pause, start, finish, resume) the learner has in flight at once across rollout servers; the weight transfer itself always goes to all at once."""
+    digest_algorithm: Literal["blake3", "sha256"] = "blake3"
+    """Digest both sides take of every gloo transfer: blake3 (faster), or sha256; a group with a rollout server that predates blake3 uses sha256."""
 
     @model_validator(mode="after")
     def _dialable(self) -> "WeightSyncSection":

@@ -2,7 +2,8 @@
 transfer group) and a `Receiver` in each rollout server, one pair per transport module (`gloo`,
 `nccl`), chosen by `weight_sync.backend` through `build_sender` / `build_receiver`. The learner's
 broadcaster drives the control plane (gRPC) around them; the rollout server never names a
-transport. The received digest comes back over gRPC (FinishWeightUpdate), never through a store."""
+transport. The received digest comes back over gRPC (FinishWeightUpdate), never through a store;
+its algorithm is agreed per group (InitWeightTransferResponse lists what a server can digest with)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Sender(Protocol):
     engine: str
     """Name the rollout server's vLLM weight-transfer engine is registered under."""
     verifies: bool
-    """True if `send` returns the sha256 of the bytes sent, for the workers' digests to be checked against."""
+    """True if `send` returns the digest of the bytes sent, for the workers' digests to be checked against."""
 
     def rendezvous(self, epoch: int) -> Rendezvous:
         """Mint group `epoch` (its prefix and secret, or NCCL id); sent to the workers in InitWeightTransfer."""
@@ -48,9 +49,10 @@ class Sender(Protocol):
         """Join the new transfer group as rank 0 (blocks until every worker has joined and proved
         it holds the group's secret)."""
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
-        """Broadcast every tensor, in `metas` order; returns the sha256 of what was sent ("" if the
-        transport does not digest)."""
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta],
+             digest_algorithm: str = "sha256") -> str:
+        """Broadcast every tensor, in `metas` order; returns the digest of what was sent in
+        `digest_algorithm` ("" if the transport does not digest)."""
 
     def close(self) -> None:
         """Drop the current group."""

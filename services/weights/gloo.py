@@ -1,6 +1,6 @@
 """gloo weight transport (CPU hosts, and any host without NCCL between trainer and workers): a
 ProcessGroupGloo over the learner's TCPStore, bucketed broadcast with two buckets in flight, and a
-sha256 of the bytes on both sides.
+digest of the bytes on both sides (BLAKE3, or sha256 for an older peer), taken on a side thread.
 
 The store is the weak spot (c10d stores have no authentication, and `list_keys` shows every key
 to whoever dials them), so: it listens only on the interface rollout servers dial; each group lives
@@ -10,7 +10,6 @@ written to the store. A rank that cannot is refused by all the others."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import socket
@@ -22,7 +21,14 @@ import torch.distributed as dist
 
 from rlmesh.services.config import WeightSyncSection
 from rlmesh.services.weights.base import Rendezvous, check_init, rank_proof
-from rlmesh.services.weights.wire import TensorMeta, buckets, flat_buckets, unflatten
+from rlmesh.services.weights.wire import (
+    DIGEST_ALGORITHMS,
+    BackgroundDigest,
+    TensorMeta,
+    buckets,
+    flat_buckets,
+    unflatten,
+)
 from rlmesh.v1 import rollout_pb2
 
 ENGINE = "rlmesh_gloo"
@@ -80,19 +86,24 @@ class GlooSender:
             if key.startswith(ticket.prefix + "/"):
                 self.store.delete_key(key)
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta],
+             digest_algorithm: str = "sha256") -> str:
         assert self.group is not None, "form_group before send"
-        digest, in_flight = hashlib.sha256(), None
-        for flat in flat_buckets(named, metas):
-            work = self.group.broadcast(flat, 0)
-            # Hash while gloo's own thread moves the bucket (hashlib releases the GIL; no copy), and
-            # keep two buckets in flight: the next one is flattened while this one is on the wire.
-            digest.update(flat.view(torch.uint8).numpy())
+        digest, in_flight = BackgroundDigest(digest_algorithm), None
+        try:
+            for flat in flat_buckets(named, metas):
+                work = self.group.broadcast(flat, 0)
+                # Hashed on the digest thread while gloo's own thread moves the bucket (no copy), and
+                # two buckets in flight: the next one is flattened while this one is on the wire.
+                digest.update(flat)
+                if in_flight is not None:
+                    in_flight.wait()
+                in_flight = work
             if in_flight is not None:
                 in_flight.wait()
-            in_flight = work
-        if in_flight is not None:
-            in_flight.wait()
+        except BaseException:
+            digest.close()
+            raise
         return digest.hexdigest()
 
     def close(self) -> None:
@@ -101,6 +112,7 @@ class GlooSender:
 
 class GlooReceiver:
     engine = ENGINE
+    digest_algorithms = DIGEST_ALGORITHMS
 
     def __init__(self, cfg: WeightSyncSection) -> None:
         self.cfg = cfg
@@ -116,7 +128,12 @@ class GlooReceiver:
                     timeout_seconds=request.timeout_seconds or self.cfg.timeout_s)
 
     def update_info(self, request: rollout_pb2.UpdateWeightsRequest) -> dict:
-        return dict(version=request.version, names=[t.name for t in request.tensors],
+        if request.digest_algorithm and request.digest_algorithm not in self.digest_algorithms:
+            raise ValueError(f"UpdateWeights digest_algorithm={request.digest_algorithm!r}: this server digests with "
+                             f"{', '.join(self.digest_algorithms)}; run the same rlmesh version on learner and "
+                             "rollout servers")
+        return dict(version=request.version, digest_algorithm=request.digest_algorithm or "sha256",
+                    names=[t.name for t in request.tensors],
                     dtype_names=[t.dtype for t in request.tensors], shapes=[list(t.shape) for t in request.tensors])
 
 
@@ -147,10 +164,11 @@ def join_group(ticket: Rendezvous, rank: int, world_size: int, timeout_s: float)
     return join(store, ticket, rank, world_size, timeout_s)
 
 
-def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: hashlib._Hash | None = None
+def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: BackgroundDigest | None = None
             ) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive the broadcast bucket by bucket, yielding (name, tensor) views. The next bucket is
-    already being received while the caller loads the tensors of this one."""
+    already being received, and this one digested on `digest`'s thread, while the caller loads the
+    tensors of this one."""
     in_flight = None
     for idx in buckets(metas):
         flat = torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype))
@@ -162,9 +180,9 @@ def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: hashlib._
         yield from _received(*in_flight, metas, digest)
 
 
-def _received(idx: list[int], flat: torch.Tensor, work, metas: list[TensorMeta], digest: hashlib._Hash | None
+def _received(idx: list[int], flat: torch.Tensor, work, metas: list[TensorMeta], digest: BackgroundDigest | None
               ) -> Iterator[tuple[str, torch.Tensor]]:
     work.wait()
     if digest is not None:
-        digest.update(flat.view(torch.uint8).numpy())
+        digest.update(flat)
     yield from unflatten(flat, metas, idx)

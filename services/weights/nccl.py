@@ -53,7 +53,8 @@ class NCCLSender:
         self.comm = uid_init_process_group(self._minted[epoch].nccl_unique_id, 0, world_size,
                                            torch.cuda.current_device())
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> str:
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta],
+             digest_algorithm: str = "sha256") -> str:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         assert self.comm is not None, "form_group before send"

@@ -1,16 +1,22 @@
 """The weight wire layout every transport shares: tensor metadata in a fixed order, grouped into
-dtype-homogeneous buckets that sender, receiver and digest all compute from the same metadata.
-Imports torch: never import this from config or contract code."""
+dtype-homogeneous buckets that sender, receiver and digest all compute from the same metadata, and
+the digests both sides take of those bytes. Imports torch: never import this from config or
+contract code."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 BUCKET_BYTES = 64 * 1024 * 1024
+
+DIGEST_ALGORITHMS = ("blake3", "sha256")
+"""What a gloo receiver can digest with, preferred first (InitWeightTransferResponse.digest_algorithms).
+BLAKE3 is cryptographic like sha256 and 2-4x faster on one core; sha256 stays for older peers."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,55 @@ def flat_buckets(named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMe
         yield torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
 
 
-def weights_digest(named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta] | None = None) -> str:
-    """sha256 over the weights in wire order and layout (equals what a verifying transport sends)."""
+def new_digest(algorithm: str):
+    """A hashlib-style digest object; "" is sha256 (what a peer that names no algorithm means)."""
+    if algorithm in ("", "sha256"):
+        return hashlib.sha256()
+    if algorithm == "blake3":
+        import blake3
+
+        return blake3.blake3()
+    raise ValueError(f"digest algorithm {algorithm!r} is not one of {', '.join(DIGEST_ALGORITHMS)} "
+                     "(weight_sync.digest_algorithm); run the same rlmesh version on learner and rollout servers")
+
+
+class BackgroundDigest:
+    """Digests buckets in order on one side thread, so hashing bucket i overlaps sending, receiving
+    or loading the next (both hash libraries release the GIL). A submitted bucket must not change
+    until `hexdigest` returns."""
+
+    def __init__(self, algorithm: str = "sha256") -> None:
+        self.algorithm = algorithm or "sha256"
+        self._digest = new_digest(self.algorithm)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-digest")
+        self._pending: list[Future] = []
+
+    def update(self, flat: torch.Tensor) -> None:
+        self._pending.append(self._pool.submit(self._digest.update, flat.view(torch.uint8).numpy()))
+
+    def hexdigest(self) -> str:
+        """Waits for every bucket submitted so far (raising what hashing raised)."""
+        try:
+            for work in self._pending:
+                work.result()
+        finally:
+            self._pending.clear()
+            self._pool.shutdown(wait=True)
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        """Drop whatever is still queued (after a failed transfer)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta] | None = None,
+                   algorithm: str = "sha256") -> str:
+    """Digest over the weights in wire order and layout (equals what a verifying transport sends
+    with the same algorithm)."""
     if metas is None:
         named = list(named)
         metas = describe(named)
-    digest = hashlib.sha256()
+    digest = new_digest(algorithm)
     for flat in flat_buckets(named, metas):
         digest.update(flat.view(torch.uint8).numpy())
     return digest.hexdigest()

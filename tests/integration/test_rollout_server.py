@@ -140,7 +140,8 @@ async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_mode
     assert status.version == 1 and not status.paused
     from rlmesh.services.weights.wire import weights_digest
 
-    assert status.weights_sha256 == weights_digest(named) == mesh["broadcaster"].last_digest
+    assert status.weights_digest_algorithm == mesh["broadcaster"].digest_algorithm == "blake3"
+    assert status.weights_digest == weights_digest(named, algorithm="blake3") == mesh["broadcaster"].last_digest
 
     for content in ("3+4=", "9+9=", "hello"):
         prompt_ids, (sample,) = await _generate(mesh["stub"], _prompt(1, greedy=True, content=content))

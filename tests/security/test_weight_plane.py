@@ -84,7 +84,8 @@ async def plane(tiny_model_dir, tmp_path_factory):
             status = await h.membership.generators["bench"].stub.GetStatus(
                 rollout_pb2.RolloutStatusRequest(include_weights_hash=True), timeout=30)
             assert status.version == state.version
-            assert status.weights_sha256 == broadcaster.last_digest == weights_digest(named)
+            assert status.weights_digest_algorithm == broadcaster.digest_algorithm == "blake3"
+            assert status.weights_digest == broadcaster.last_digest == weights_digest(named, algorithm="blake3")
             return named
 
         yield SimpleNamespace(harness=h, sender=sender, broadcaster=broadcaster, push=push, tmp=tmp)
@@ -109,7 +110,7 @@ async def test_a_stranger_writing_and_deleting_store_keys_does_not_touch_verific
     for key in keys:
         stranger.delete_key(key)
     named = await plane.push(seed=2)  # verified against the worker's own report, over gRPC
-    assert plane.broadcaster.last_digest == weights_digest(named) != forged
+    assert plane.broadcaster.last_digest == weights_digest(named, algorithm="blake3") != forged
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -46,16 +46,22 @@ class InitWeightTransferRequest(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_prefix: _Optional[str] = ..., group_secret: _Optional[bytes] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
 
 class InitWeightTransferResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("digest_algorithms", "combined_pause_resume")
+    DIGEST_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
+    COMBINED_PAUSE_RESUME_FIELD_NUMBER: _ClassVar[int]
+    digest_algorithms: _containers.RepeatedScalarFieldContainer[str]
+    combined_pause_resume: bool
+    def __init__(self, digest_algorithms: _Optional[_Iterable[str]] = ..., combined_pause_resume: _Optional[bool] = ...) -> None: ...
 
 class StartWeightUpdateRequest(_message.Message):
-    __slots__ = ("version", "group_epoch")
+    __slots__ = ("version", "group_epoch", "pause_mode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     version: int
     group_epoch: int
-    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ...) -> None: ...
+    pause_mode: str
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., pause_mode: _Optional[str] = ...) -> None: ...
 
 class StartWeightUpdateResponse(_message.Message):
     __slots__ = ()
@@ -72,14 +78,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "group_epoch", "tensors")
+    __slots__ = ("version", "group_epoch", "tensors", "digest_algorithm")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     version: int
     group_epoch: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    digest_algorithm: str
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., digest_algorithm: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("num_tensors",)
@@ -88,22 +96,26 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, num_tensors: _Optional[int] = ...) -> None: ...
 
 class FinishWeightUpdateRequest(_message.Message):
-    __slots__ = ("version", "group_epoch")
+    __slots__ = ("version", "group_epoch", "resume")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     version: int
     group_epoch: int
-    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ...) -> None: ...
+    resume: bool
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class FinishWeightUpdateResponse(_message.Message):
-    __slots__ = ("weights_sha256", "received_sha256", "busy_seconds")
-    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
-    RECEIVED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("weights_digest", "received_digests", "digest_algorithm", "busy_seconds")
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    weights_sha256: str
-    received_sha256: _containers.RepeatedScalarFieldContainer[str]
+    weights_digest: str
+    received_digests: _containers.RepeatedScalarFieldContainer[str]
+    digest_algorithm: str
     busy_seconds: float
-    def __init__(self, weights_sha256: _Optional[str] = ..., received_sha256: _Optional[_Iterable[str]] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, weights_digest: _Optional[str] = ..., received_digests: _Optional[_Iterable[str]] = ..., digest_algorithm: _Optional[str] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode",)
@@ -130,23 +142,25 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self, include_weights_hash: _Optional[bool] = ...) -> None: ...
 
 class RolloutStatusResponse(_message.Message):
-    __slots__ = ("generator_id", "version", "paused", "num_inflight_groups", "num_generated_tokens", "num_completed_groups", "weights_sha256", "group_epoch", "busy_seconds")
+    __slots__ = ("generator_id", "version", "paused", "num_inflight_groups", "num_generated_tokens", "num_completed_groups", "weights_digest", "group_epoch", "busy_seconds", "weights_digest_algorithm")
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPLETED_GROUPS_FIELD_NUMBER: _ClassVar[int]
-    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     generator_id: str
     version: int
     paused: bool
     num_inflight_groups: int
     num_generated_tokens: int
     num_completed_groups: int
-    weights_sha256: str
+    weights_digest: str
     group_epoch: int
     busy_seconds: float
-    def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., paused: _Optional[bool] = ..., num_inflight_groups: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_completed_groups: _Optional[int] = ..., weights_sha256: _Optional[str] = ..., group_epoch: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    weights_digest_algorithm: str
+    def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., paused: _Optional[bool] = ..., num_inflight_groups: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_completed_groups: _Optional[int] = ..., weights_digest: _Optional[str] = ..., group_epoch: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., weights_digest_algorithm: _Optional[str] = ...) -> None: ...

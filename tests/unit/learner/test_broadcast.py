@@ -1,12 +1,12 @@
 """The broadcaster and the rollout servicer over real gRPC on loopback and a real two-rank gloo
 group, with a stand-in for vLLM's engine that receives exactly as the gloo engine does (join with
-the group secret, bucketed receive, sha256 of the bytes): the digest each worker reports in
-FinishWeightUpdate is what the learner verifies, and a foreign weight group is refused."""
+the group secret, bucketed receive, digest of the bytes in the update's algorithm): the digest each
+worker reports in FinishWeightUpdate is what the learner verifies, a rollout server that predates
+the digest_algorithm fields gets sha256, and a foreign weight group is refused."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from types import SimpleNamespace
 
 import grpc
@@ -21,15 +21,17 @@ from rlmesh.services.config import WeightSyncSection  # noqa: E402
 from rlmesh.services.grpc_server import start_server  # noqa: E402
 from rlmesh.services.weights.base import Rendezvous, build_receiver, build_sender  # noqa: E402
 from rlmesh.services.weights.gloo import join_group, receive  # noqa: E402
-from rlmesh.services.weights.wire import TensorMeta, weights_digest  # noqa: E402
+from rlmesh.services.weights.wire import BackgroundDigest, TensorMeta, weights_digest  # noqa: E402
 from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
 
 
 class StandInEngine:
     """The part of VLLMGenerator the weight RPCs use; the model is a dict of received tensors."""
 
-    def __init__(self, report: str | None = None) -> None:
+    def __init__(self, report: str | None = None, only_sha256: bool = False) -> None:
         self.report, self.group, self.weights, self.digest, self.version = report, None, {}, "", 0
+        self.only_sha256, self.algorithm = only_sha256, ""
+        self.calls: list[str] = []  # pause / resume, in order
         self.busy = SimpleNamespace(seconds=0.0)
 
     async def init_weight_transfer(self, info: dict, group_epoch: int) -> None:
@@ -40,7 +42,8 @@ class StandInEngine:
 
     async def update_weights(self, info: dict) -> None:
         metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"])]
-        digest = hashlib.sha256()
+        self.algorithm = "sha256" if self.only_sha256 else info["digest_algorithm"]
+        digest = BackgroundDigest(self.algorithm)
         self.weights = await asyncio.to_thread(lambda: {n: t.clone() for n, t in receive(self.group, metas, digest)})
         self.digest = digest.hexdigest()
 
@@ -51,13 +54,31 @@ class StandInEngine:
         self.version = version
 
     async def start_weight_update(self) -> None: ...
-    async def pause(self, mode: str) -> None: ...
-    async def resume(self) -> None: ...
+    async def pause(self, mode: str) -> None:
+        self.calls.append(f"pause {mode}")
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
 
 
-async def _plane(engine: StandInEngine):
+class OlderRolloutService(RolloutService):
+    """What a rollout server from before the digest_algorithm and combined_pause_resume fields
+    answers: no algorithms and no combined pause in InitWeightTransfer, sha256 digests and no
+    algorithm in FinishWeightUpdate."""
+
+    async def InitWeightTransfer(self, request, context):
+        await super().InitWeightTransfer(request, context)
+        return rollout_pb2.InitWeightTransferResponse()
+
+    async def FinishWeightUpdate(self, request, context):
+        reply = await super().FinishWeightUpdate(request, context)
+        reply.ClearField("digest_algorithm")
+        return reply
+
+
+async def _plane(engine: StandInEngine, service_cls=RolloutService):
     cfg = WeightSyncSection(backend="gloo", timeout_s=20)
-    service = RolloutService(engine, "gen", build_receiver(cfg))
+    service = service_cls(engine, "gen", build_receiver(cfg))
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service,
                                   "rlmesh.v1.RolloutService")], port=0)
     membership = Membership(token=None, rpc_timeout_s=20)
@@ -79,9 +100,39 @@ async def test_the_learner_verifies_the_digest_each_worker_reports_over_grpc():
             named = _named(version)
             metrics = await broadcaster.broadcast(version, WeightSource.of(named))
             assert metrics["weights_verified"] == 1.0 and broadcaster.verified_versions[-1] == version
-            assert broadcaster.last_digest == engine.digest == weights_digest(named)
+            assert broadcaster.digest_algorithm == engine.algorithm == "blake3"
+            assert broadcaster.last_digest == engine.digest == weights_digest(named, algorithm="blake3")
             assert all(torch.equal(engine.weights[n], t) for n, t in named) and engine.version == version
         assert broadcaster.epoch == 1  # one group, two updates
+        # Paused in StartWeightUpdate and resumed in FinishWeightUpdate: 3 calls a server a step.
+        assert broadcaster.combined and engine.calls == ["pause keep", "resume"] * 2
+        assert "broadcast_pause_s" not in metrics and "broadcast_resume_s" not in metrics
+    finally:
+        await server.stop(0)
+
+
+async def test_a_rollout_server_that_predates_digest_algorithms_is_sent_and_verified_with_sha256():
+    engine = StandInEngine(only_sha256=True)
+    server, _, broadcaster = await _plane(engine, OlderRolloutService)
+    try:
+        named = _named(1)
+        metrics = await broadcaster.broadcast(1, WeightSource.of(named))
+        assert metrics["weights_verified"] == 1.0 and broadcaster.digest_algorithm == "sha256"
+        assert broadcaster.last_digest == engine.digest == weights_digest(named, algorithm="sha256")
+        # ...and paused and resumed with the calls of their own that such a server expects.
+        assert not broadcaster.combined and engine.calls == ["pause keep", "resume"]
+        assert "broadcast_pause_s" in metrics and "broadcast_resume_s" in metrics
+    finally:
+        await server.stop(0)
+
+
+async def test_a_worker_that_digests_in_another_algorithm_than_agreed_fails_the_round_loudly():
+    engine = StandInEngine(only_sha256=True)  # lists blake3 but digests with sha256 and says nothing
+    server, _, broadcaster = await _plane(engine)
+    try:
+        with pytest.raises(RuntimeError, match="gen worker rank 1 received weights v1 with digest"):
+            await broadcaster.broadcast(1, WeightSource.of(_named(1)))
+        assert broadcaster.verified_versions == []
     finally:
         await server.stop(0)
 

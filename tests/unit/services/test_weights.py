@@ -106,6 +106,20 @@ def test_gloo_receiver_turns_init_into_the_engine_payload_and_refuses_foreign_gr
         fixed.init_info(_init_request())
 
 
+def test_gloo_receiver_digests_in_the_algorithm_the_update_names_and_sha256_when_it_names_none():
+    from rlmesh.v1 import rollout_pb2
+
+    receiver = build_receiver(WeightSyncSection(backend="gloo", timeout_s=5))
+    assert receiver.digest_algorithms == ("blake3", "sha256")
+    spec = [rollout_pb2.TensorSpec(name="w", dtype="float32", shape=[2])]
+    old_learner = rollout_pb2.UpdateWeightsRequest(version=1, tensors=spec)  # predates digest_algorithm
+    assert receiver.update_info(old_learner)["digest_algorithm"] == "sha256"
+    new = rollout_pb2.UpdateWeightsRequest(version=1, tensors=spec, digest_algorithm="blake3")
+    assert receiver.update_info(new)["digest_algorithm"] == "blake3"
+    with pytest.raises(ValueError, match="digest_algorithm='md5'"):
+        receiver.update_info(rollout_pb2.UpdateWeightsRequest(version=1, tensors=spec, digest_algorithm="md5"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on hosts without CUDA")
 def test_nccl_transport_without_cuda_says_how_to_fix_it():
     with pytest.raises(ValueError, match="weight_sync.backend=gloo"):
@@ -155,12 +169,13 @@ def _worker(sender, ticket, rank=1, world_size=2):
     return thread, outcome
 
 
-def test_gloo_send_and_receive_over_several_buckets_keep_bytes_order_and_digest():
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_gloo_send_and_receive_over_several_buckets_keep_bytes_order_and_digest(algorithm):
     """A real two-rank gloo group on loopback (the receiver on a thread): with two buckets in flight
-    on both sides, every tensor arrives intact, in order, and both digests equal the wire digest."""
-    import hashlib
-
+    on both sides and each side digesting on its own side thread, every tensor arrives intact, in
+    order, and both digests equal the wire digest in the agreed algorithm (and differ across algorithms)."""
     from rlmesh.services.weights.gloo import receive
+    from rlmesh.services.weights.wire import BackgroundDigest
 
     named = _named() + [("e", torch.randn(7, 3)), ("f", torch.arange(5)), ("g", torch.randn(4))]
     metas = describe(named)
@@ -169,17 +184,19 @@ def test_gloo_send_and_receive_over_several_buckets_keep_bytes_order_and_digest(
     thread, outcome = _worker(sender, sender.rendezvous(7))
     sender.form_group(epoch=7, world_size=2)
     thread.join(30)
-    got, digest = [], hashlib.sha256()
+    got, digest = [], BackgroundDigest(algorithm)
     import threading
 
     receiver = threading.Thread(target=lambda: got.extend(
         (name, t.clone()) for name, t in receive(outcome["group"], metas, digest)))
     receiver.start()
-    sent = sender.send(iter(named), metas)
+    sent = sender.send(iter(named), metas, algorithm)
     receiver.join(30)
     assert [n for n, _ in got] == [n for n, _ in named]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, named))
-    assert sent == digest.hexdigest() == weights_digest(named)
+    assert sent == digest.hexdigest() == weights_digest(named, algorithm=algorithm)
+    other = "sha256" if algorithm == "blake3" else "blake3"
+    assert weights_digest(named, algorithm=other) != sent
 
 
 def test_a_rank_without_the_group_secret_is_refused_by_every_other_rank():
