@@ -80,7 +80,9 @@ def reward_kl(backend: TrainingBackend, objective: Objective, seqs: list[Sequenc
         # Each sequence lives on one rank; the others hold 0 for it. Data-parallel ranks only:
         # tensor-parallel peers hold the same rows (FSDP2, the one backend with a reference, is all data-parallel).
         assert backend.dp_size == backend.world_size, "reward KL needs a data-parallel-only backend"
-        dist.all_reduce(kl_B)
+        reduced = kl_B.cuda() if torch.cuda.is_available() else kl_B  # NCCL reduces GPU tensors only
+        dist.all_reduce(reduced)
+        kl_B = reduced.cpu()
     objective.reshape_advantages(seqs, kl_B)
     for m in micros:
         if not m.is_padding:
