@@ -1,0 +1,362 @@
+"""Control plane at scale: one real learner control plane and one real Valkey against N simulated
+rollout servers, for N in `--clients` (10,100,1000 by default), side by side.
+
+learner (this process, real code): the LearnerService gRPC server (`rlmesh.learner.membership`), the
+          prompt issuer, the trajectory admission (`rlmesh.learner.admission`, every group validated
+          against what was issued) and the weight broadcaster's control RPCs (`rlmesh.learner.broadcast`:
+          InitWeightTransfer at each group rebuild; Pause, Start, UpdateWeights, Finish + digest
+          check, Resume on every server at every step). The bytes are not moved: a simulated
+          transport forms no gloo group (a 1,001-rank gloo group is not what this measures).
+clients (a second process): N asyncio tasks speaking the real protocols: RegisterGenerator, a
+          Heartbeat every 2 s (the rollout server's period), and the real queue protocol on the
+          same Valkey (read a prompt group from the consumer group, "generate" for `--gen-s`,
+          publish a well-formed TrajectoryGroup of `--group-size` samples x `--completion-tokens`
+          tokens with logprobs, ack the prompt); one fake RolloutService gRPC servicer answers the
+          control RPCs, on N ports (so the learner holds N channels, N TCP connections).
+Training is not run: the learner trains nothing, so everything it spends is control plane. Per
+step it takes `groups_per_step` = N groups (one per server; with max_staleness 1, 2N outstanding).
+
+Printed per N: registration time, control-plane wall time per step on the learner's critical path
+(issue + admission + ack + broadcast control RPCs, not the wait for generation), the learner
+process's CPU per step (heartbeats included), queue throughput and Valkey memory, and the check
+that every issued group was trained exactly once and none lost. The overhead is the critical-path
+time over `--step-s` (a training step of a run with N rollout servers; state it with the numbers).
+Run: python bench/control_plane_scale.py [--clients 10,100,1000 --steps 8]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SIM_DIGEST = "simulated"
+HEARTBEAT_S = 2.0  # rlmesh.rollout_server.server.HEARTBEAT_S
+
+
+# --- the simulated rollout tier (second process) ------------------------------------------------
+
+def fake_rollout_servicer(combined: bool):
+    from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc
+
+    class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
+        """Answers the weight-control RPCs as a rollout server whose weight receive is simulated.
+        Every simulated server is in every broadcast, so they all hold `version`."""
+
+        version = 0
+
+        async def InitWeightTransfer(self, request, context):
+            return rollout_pb2.InitWeightTransferResponse(digest_algorithms=["blake3", "sha256"],
+                                                          combined_pause_resume=combined)
+
+        async def PauseGeneration(self, request, context):
+            return rollout_pb2.PauseGenerationResponse()
+
+        async def StartWeightUpdate(self, request, context):
+            return rollout_pb2.StartWeightUpdateResponse()
+
+        async def UpdateWeights(self, request, context):
+            return rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
+
+        async def FinishWeightUpdate(self, request, context):
+            self.version = max(self.version, request.version)
+            return rollout_pb2.FinishWeightUpdateResponse(received_digests=[SIM_DIGEST], digest_algorithm="blake3")
+
+        async def ResumeGeneration(self, request, context):
+            return rollout_pb2.ResumeGenerationResponse()
+
+    return FakeRollout()
+
+
+def trajectory(prompt, generator_id: str, completion_tokens: int, rng: random.Random, version: int):
+    from rlmesh.v1 import common_pb2
+
+    version = max(version, prompt.issued_at_version)
+    samples = []
+    for i in range(prompt.n):
+        ids = [rng.randrange(1, 1000) for _ in range(completion_tokens)]
+        samples.append(common_pb2.Sample(
+            index=i, completion=common_pb2.TokenSequence(token_ids=ids, loss_mask=[1] * len(ids)),
+            logprobs=[-0.5] * len(ids), reward=float(i % 2), min_version=version,
+            max_version=version, finish_reason="length"))
+    return common_pb2.TrajectoryGroup(group_id=prompt.group_id, run_id=prompt.run_id, prompt=prompt,
+                                      prompt_token_ids=list(range(1, 33)), samples=samples,
+                                      generator_id=generator_id, generation_seconds=0.0)
+
+
+async def simulate(args: argparse.Namespace) -> None:
+    import grpc
+
+    from rlmesh.services.config import QueueSection
+    from rlmesh.services.grpc_client import make_channel
+    from rlmesh.services.queue import connect, run_streams
+    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+
+    server, fake = grpc.aio.server(), fake_rollout_servicer(args.control == "combined")
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(fake, server)
+    ports = [server.add_insecure_port("127.0.0.1:0") for _ in range(args.num_clients)]
+    await server.start()
+    learner = learner_pb2_grpc.LearnerServiceStub(make_channel(args.learner, default_timeout_s=120))
+    stop = asyncio.Event()
+    errors: collections.Counter = collections.Counter()
+
+    async def client(i: int) -> float:
+        gid, rng = f"sim{i}", random.Random(i)
+        # Its own queue client, as each rollout server has (a blocked read holds a connection).
+        prompts, trajectories = run_streams(connect(args.queue_url), QueueSection(url=args.queue_url))
+        t0 = time.monotonic()
+        await learner.RegisterGenerator(learner_pb2.RegisterGeneratorRequest(
+            generator_id=gid, address=f"127.0.0.1:{ports[i]}", num_workers=1))
+        registered = time.monotonic() - t0
+
+        async def beat() -> None:
+            await asyncio.sleep(rng.uniform(0, HEARTBEAT_S))
+            while not stop.is_set():
+                try:
+                    await learner.Heartbeat(learner_pb2.HeartbeatRequest(generator_id=gid))
+                except grpc.aio.AioRpcError as err:
+                    errors[f"Heartbeat {err.code().name}"] += 1
+                await asyncio.sleep(HEARTBEAT_S)
+
+        async def work() -> None:
+            while not stop.is_set():
+                for entry in await prompts.read(gid, count=1, block_ms=1000):
+                    group = common_pb2.PromptGroup.FromString(entry.data)
+                    version = fake.version  # the weights it generates with
+                    await asyncio.sleep(args.gen_s * rng.uniform(0.5, 1.5))
+                    data = trajectory(group, gid, args.completion_tokens, rng, version).SerializeToString()
+                    await trajectories.publish(group.group_id, data)
+                    await prompts.ack(entry.id)
+
+        asyncio.get_running_loop().create_task(beat())
+        asyncio.get_running_loop().create_task(work())
+        return registered
+
+    times = await asyncio.gather(*(client(i) for i in range(args.num_clients)))
+    print(json.dumps({"register_p50_s": sorted(times)[len(times) // 2], "register_max_s": max(times)}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # the learner says when
+    stop.set()
+    print(json.dumps({"client_errors": dict(errors)}), flush=True)
+
+
+# --- the learner (this process) -----------------------------------------------------------------
+
+class SimulatedSender:
+    """The gloo sender's interface with nothing moved: every worker 'receives' SIM_DIGEST."""
+
+    engine, verifies = "rlmesh_gloo", True
+
+    def rendezvous(self, epoch: int):
+        from rlmesh.services.weights.base import Rendezvous
+
+        return Rendezvous("127.0.0.1", 1, prefix=f"sim/epoch{epoch}", secret=b"s" * 32)
+
+    def form_group(self, epoch: int, world_size: int) -> None: ...
+
+    def send(self, named, metas, digest_algorithm: str = "sha256") -> str:
+        return SIM_DIGEST
+
+    def close(self) -> None: ...
+
+
+async def learner_run(n: int, args: argparse.Namespace) -> dict:
+    from rlmesh.learner.admission import Admission
+    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+    from rlmesh.learner.data import Example
+    from rlmesh.learner.issuer import PromptIssuer
+    from rlmesh.learner.membership import LearnerService, Membership
+    from rlmesh.learner.reader import CONSUMER, mark_queues
+    from rlmesh.learner.validation import Bounds
+    from rlmesh.services.config import NetworkSection, QueueSection, WeightSyncSection
+    from rlmesh.services.grpc_server import ServerLimits, start_server
+    from rlmesh.services.queue import connect, run_streams
+    from rlmesh.services.valkey import start_embedded_valkey
+    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+
+    valkey = start_embedded_valkey()
+    url = valkey.connection_url
+    redis = connect(url)
+    prompts, trajectories = run_streams(redis, QueueSection(url=url))
+    run_id, state = f"scale{n}", {"version": 0}
+    await mark_queues(prompts, trajectories, run_id)
+    membership = Membership(token=None, rpc_timeout_s=120, expire_after_s=120)
+    service = LearnerService(membership, run_id, lambda: learner_pb2.LearnerStatusResponse(),
+                             lambda: state["version"])
+    server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service,
+                                  "rlmesh.v1.LearnerService")], port=0,
+                                limits=ServerLimits.from_config(NetworkSection(), "learner"))
+    sim = subprocess.Popen([sys.executable, __file__, "--simulate", "--num-clients", str(n), "--learner",
+                            f"127.0.0.1:{server.port}", "--queue-url", url, "--gen-s", str(args.gen_s),
+                            "--completion-tokens", str(args.completion_tokens),
+                            "--control", args.control],
+                           cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    t0 = time.monotonic()
+    line = await asyncio.get_running_loop().run_in_executor(None, sim.stdout.readline)
+    register = {**json.loads(line), "all_registered_s": time.monotonic() - t0}
+    assert len(membership.generators) == n, f"{len(membership.generators)} of {n} registered"
+
+    examples = [Example(id=str(i), messages=[{"role": "user", "content": f"{i} + {i}?"}], env="arithmetic",
+                        metadata={"answer": str(2 * i)}) for i in range(1000)]
+    B, k = n, 1
+    issuer = PromptIssuer(prompts, run_id, examples, group_size=args.group_size, groups_per_step=B, max_staleness=k)
+    dropped: list[dict] = []
+    admission = Admission(trajectories, type("W", (), {"write": lambda self, r: dropped.append(r)})(),
+                          max_staleness=k, drop_zero_advantage_groups=False, on_returned=issuer.returned,
+                          issued=issuer.issued, bounds=Bounds(vocab_size=1000, max_abs_reward=10, max_seq_len=4096))
+    broadcaster = WeightBroadcaster(membership, WeightSyncSection(timeout_s=120), SimulatedSender(),
+                                    lambda fn, *a: asyncio.to_thread(fn, *a))
+    source = WeightSource.of([])
+    # The first broadcast forms the group (InitWeightTransfer to every server) and is not a step.
+    state["version"] = 0
+    t_init = time.monotonic()
+    try:
+        await broadcaster.broadcast(0, source)
+    except Exception as err:  # noqa: BLE001 - reported as what broke
+        broke = f"{type(err).__name__}: {str(err)[:160]}"
+    else:
+        broke = "" if len(membership.generators) == n else f"{n - len(membership.generators)} servers dropped"
+    init_s = time.monotonic() - t_init
+    if broke:
+        sim.kill()
+        await server.stop(0)
+        valkey.stop()
+        return {"clients": n, **register, "group_init_s": init_s, "broke": broke}
+
+    buffer: list = []
+    trained: list[str] = []
+    steps: list[dict] = []
+    for _ in range(args.steps):
+        version = state["version"]
+        cpu0, wall0, waited = time.process_time(), time.monotonic(), 0.0
+        t = time.monotonic()
+        await issuer.issue_train(len(buffer), version)
+        issue_s = time.monotonic() - t
+        admit_s = 0.0
+        while len(buffer) < B:
+            t = time.monotonic()
+            entries = await trajectories.read(CONSUMER, count=256, block_ms=500)
+            t_read = time.monotonic()
+            if not entries:
+                waited += t_read - t
+                continue
+            waited += t_read - t  # the read itself is counted below with a non-blocking estimate
+            for entry in entries:
+                group = common_pb2.TrajectoryGroup.FromString(entry.data)
+                if await admission.accept(entry, group, version):
+                    buffer.append((entry, group))
+            admit_s += time.monotonic() - t_read
+        batch, buffer = buffer[:B], buffer[B:]
+        t = time.monotonic()
+        for _, group in batch:
+            admission.trained(group.group_id)
+            trained.append(group.group_id)
+        await trajectories.ack(*(entry.id for entry, _ in batch))
+        ack_s = time.monotonic() - t
+        state["version"] = version + 1
+        metrics = await broadcaster.broadcast(version + 1, source)
+        wall = time.monotonic() - wall0
+        steps.append({"issue_s": issue_s, "admit_s": admit_s, "ack_s": ack_s, "broadcast_s": metrics["broadcast_s"],
+                      "wall_s": wall, "waited_s": waited, "cpu_s": time.process_time() - cpu0,
+                      **{key: v for key, v in metrics.items() if key.startswith("broadcast_") and key.endswith("_s")}})
+    info = await redis.info("memory")
+    depth_p, depth_t = await prompts.depth(), await trajectories.depth()
+    sim.stdin.write("stop\n")
+    sim.stdin.flush()
+    client_errors = json.loads(sim.stdout.readline() or "{}").get("client_errors", {})
+    sim.kill()
+    await server.stop(0)
+    for g in membership.generators.values():
+        await g.channel.close()
+    await redis.aclose()
+    valkey.stop()
+
+    med = lambda key: sorted(s[key] for s in steps)[len(steps) // 2]  # noqa: E731
+    issued_train = issuer.num_issued
+    return {
+        "clients": n, "groups_per_step": B, "steps": len(steps), **register, "group_init_s": init_s,
+        **{f"{key}_p50": med(key) for key in steps[0]},
+        "critical_s_p50": sorted(s["issue_s"] + s["admit_s"] + s["ack_s"] + s["broadcast_s"] for s in steps)[len(steps) // 2],
+        "groups_per_s": len(trained) / sum(s["wall_s"] for s in steps),
+        "valkey_used_mib": info["used_memory"] / 2**20, "valkey_peak_mib": info["used_memory_peak"] / 2**20,
+        "trained": len(trained), "trained_unique": len(set(trained)), "issued": issued_train,
+        "outstanding_after": issuer.in_flight, "buffered_after": len(buffer),
+        "dropped": len(dropped), "duplicates": admission.num_duplicates,
+        "prompt_stream_after": [depth_p.length, depth_p.lag], "trajectory_stream_after": [depth_t.length, depth_t.lag],
+        "client_errors": client_errors, "learner_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="10,100,1000")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--completion-tokens", type=int, default=256)
+    p.add_argument("--gen-s", type=float, default=1.0, help="simulated generation time of one group (x0.5-1.5)")
+    p.add_argument("--step-s", type=float, default=10.0, help="training step the overhead is a fraction of")
+    p.add_argument("--control", choices=["combined", "separate"], default="combined",
+                   help="combined: servers pause in StartWeightUpdate and resume in FinishWeightUpdate (3 calls "
+                        "per server per step); separate: as servers before that (5 calls)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--num-clients", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--learner", help=argparse.SUPPRESS)
+    p.add_argument("--queue-url", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.simulate:
+        asyncio.run(simulate(args))
+        return
+    load0 = os.getloadavg()
+    results = []
+    for n in args.clients.split(","):
+        results.append(asyncio.run(learner_run(int(n), args)))
+        print(json.dumps(results[-1]), flush=True)
+    broken = [r for r in results if r.get("broke")]
+    for r in broken:
+        print(f"{r['clients']} clients: BROKE at the first group formation ({r['group_init_s']:.1f} s): {r['broke']}")
+    results = [r for r in results if not r.get("broke")]
+    rows = [("clients", "clients", "d"), ("register all (s)", "all_registered_s", ".2f"),
+            ("group init (s)", "group_init_s", ".3f"), ("issue / step (s)", "issue_s_p50", ".3f"),
+            ("admit / step (s)", "admit_s_p50", ".3f"), ("ack / step (s)", "ack_s_p50", ".3f"),
+            ("broadcast ctl / step (s)", "broadcast_s_p50", ".3f"), ("  pause", "broadcast_pause_s_p50", ".3f"),
+            ("  start", "broadcast_start_s_p50", ".3f"), ("  update", "broadcast_load_s_p50", ".3f"),
+            ("  finish", "broadcast_finish_s_p50", ".3f"), ("  resume", "broadcast_resume_s_p50", ".3f"),
+            ("critical path / step (s)", "critical_s_p50", ".3f"), ("learner CPU / step (s)", "cpu_s_p50", ".3f"),
+            ("groups/s through queue", "groups_per_s", ".0f"), ("valkey used (MiB)", "valkey_used_mib", ".1f"),
+            ("valkey peak (MiB)", "valkey_peak_mib", ".1f"), ("learner max RSS (MiB)", "learner_maxrss_mib", ".0f"),
+            ("trained / unique", None, ""), ("lost / dropped+dup", None, "")]
+    print()
+    for label, key, fmt in rows:
+        if key is None and label.startswith("trained"):
+            cells = [f"{r['trained']}/{r['trained_unique']}" for r in results]
+        elif key is None:
+            cells = [f"{r['issued'] - r['trained'] - r['outstanding_after'] - r['buffered_after'] - r['dropped']}"
+                     f"/{r['dropped'] + r['duplicates']}" for r in results]
+        else:
+            cells = [format(r[key], fmt) if key in r else "-" for r in results]
+        print(f"{label:26s}" + "".join(f"{c:>12s}" for c in cells))
+    print(f"{'overhead @ ' + format(args.step_s, 'g') + ' s step':26s}"
+          + "".join(f"{100 * r['critical_s_p50'] / args.step_s:>11.1f}%" for r in results))
+    for r in results:
+        if r["client_errors"]:
+            print(f"{r['clients']} clients: failed calls {r['client_errors']}")
+    print(f"control RPCs: {args.control}; {args.steps} steps, {args.group_size} samples x {args.completion_tokens} "
+          f"tokens a group, generation {args.gen_s} s a group")
+    print(f"load average at start {load0}, at end {os.getloadavg()} on {os.cpu_count()} cores")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
