@@ -2,6 +2,7 @@
 two-step word problems with single-digit numbers, in GSM8K's format (`question`, and `answer`: a
 worked solution ending in `#### <number>`) plus two columns for the demo:
 
+- `final`: the answer alone (for exact-answer scorers, e.g. examples/hf_mcp_stdio.yaml's);
 - `solution`: the same working ending in `\\boxed{<number>}`, the SFT warm start's target;
 - `rejected`: a plausible wrong solution that stops one step early and boxes the intermediate
   result. `sft.label_noise` imitates it instead of `solution` on that fraction of the examples (and
@@ -83,7 +84,7 @@ def row(problem: Problem) -> dict[str, str]:
     lines, results = working(steps)
     answer, early = results[-1], results[0]
     gsm8k = "\n".join([*lines, f"#### {answer}"])
-    return {"question": question, "answer": gsm8k,
+    return {"question": question, "answer": gsm8k, "final": str(answer),
             "solution": " ".join([*lines, f"\\boxed{{{answer}}}"]),
             "rejected": " ".join([*lines[:-1], f"\\boxed{{{early}}}"])}
 
