@@ -97,16 +97,27 @@ def _move_adapter(trainer, seed: int) -> None:
                 p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if isinstance(p, DTensor) else value)
 
 
-async def _greedy(stub, content: str) -> tuple[list[int], common_pb2.Sample]:
+async def _greedy(stub, content: str, max_tokens: int = 8) -> tuple[list[int], common_pb2.Sample]:
     group = common_pb2.PromptGroup(group_id=uuid.uuid4().hex, env_name="arithmetic", n=1,
                                    messages=[common_pb2.ChatMessage(role="user", content=content)])
     group.sampling.temperature = 0.0
-    group.sampling.max_tokens = 8
+    group.sampling.max_tokens = max_tokens
     samples, prompt_ids = [], []
     async for reply in stub.Generate(rollout_pb2.GenerateRequest(prompt=group), timeout=120):
         samples.append(reply.sample)
         prompt_ids = list(reply.prompt_token_ids)
     return prompt_ids, samples[0]
+
+
+def _assert_logprobs_of(model, prompt_ids: list[int], sample: common_pb2.Sample) -> None:
+    """vLLM's sampled-token logprobs are `model`'s own (teacher-forced on vLLM's tokens)."""
+    import torch
+
+    tokens = list(sample.completion.token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
+    want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(list(sample.logprobs)), want, atol=2e-3, rtol=0)
 
 
 def _hf_greedy(model, prompt_ids: list[int]) -> list[int]:
@@ -143,5 +154,23 @@ async def test_adapter_update_matches_the_learners_merged_model_token_for_token(
             assert (sample.min_version, sample.max_version) == (version, version)
             got, want = list(sample.completion.token_ids), _hf_greedy(merged, prompt_ids)
             assert got == want[: len(got)], f"v{version} {content!r}: vLLM {got} != merged learner {want}"
+            _assert_logprobs_of(merged, prompt_ids, sample)
             differs += want != _hf_greedy(base, prompt_ids)
     assert differs, "the adapters never changed the greedy output: the comparison proves nothing"
+
+    # A request running when the next adapter arrives keeps its own adapter to the end (and says
+    # so), while a request started after the update runs under the new one, in the same batches.
+    # Paused first, so that the request is surely still running when the update lands (the
+    # broadcast pauses again, updates, and resumes).
+    await mesh["stub"].PauseGeneration(rollout_pb2.PauseGenerationRequest(mode="keep"), timeout=60)
+    running = asyncio.create_task(_greedy(mesh["stub"], "7+8=", max_tokens=64))
+    _move_adapter(trainer, seed=3)
+    await asyncio.sleep(1.0)  # the request reaches the generator, which fixes its adapter (v2)
+    assert not running.done()
+    await mesh["broadcaster"].broadcast(3, source)
+    trainer.save_pretrained(mesh["tmp"] / "merged_v3")
+    new_ids, new = await _greedy(mesh["stub"], "7+8=", max_tokens=96)
+    old_ids, old = await running
+    assert (old.min_version, old.max_version) == (2, 2) and (new.min_version, new.max_version) == (3, 3)
+    _assert_logprobs_of(merged, old_ids, old)  # merged is still v2's model
+    _assert_logprobs_of(AutoModelForCausalLM.from_pretrained(mesh["tmp"] / "merged_v3").eval(), new_ids, new)
