@@ -115,23 +115,12 @@ def trackers(config: RunConfig, run_dir: Path, issuer: PromptIssuer, prompts: St
 
     out = build_trackers(config.logging, run_dir, run_dir.name, config.model_dump(mode="json"))
     if serve_metrics(config, "learner", run_dir=run_dir) is not None:
-        from rlmesh.learner.trackers.prometheus import PrometheusTracker, poll_queues
+        from rlmesh.learner.trackers.prometheus import PrometheusTracker
 
-        out.append(PrometheusTracker())
-        task = asyncio.create_task(poll_queues(issuer, {"prompts": prompts, "trajectories": trajectories}),
-                                   name="metrics-poller")
-        _BACKGROUND.add(task)
-        task.add_done_callback(_report)
+        prom = PrometheusTracker()
+        prom.poll(issuer, {"prompts": prompts, "trajectories": trajectories})  # stopped when the writer closes
+        out.append(prom)
     return out
-
-
-_BACKGROUND: set[asyncio.Task] = set()  # a task nobody holds may be garbage-collected mid-run
-
-
-def _report(task: asyncio.Task) -> None:
-    _BACKGROUND.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.error("%s failed: %r", task.get_name(), task.exception(), exc_info=task.exception())
 
 
 def bounds(config: RunConfig, model_path: str) -> Bounds:

@@ -5,6 +5,7 @@ holds: queue length and lag per stream, and groups issued."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.services.queue import StreamQueue
 
+log = logging.getLogger("rlmesh.learner")
 VERSION = Gauge("rlmesh_learner_policy_version", "Policy version (optimizer steps taken)")
 STEP_PHASE = Histogram("rlmesh_learner_step_phase_seconds", "Seconds of one training step by phase "
                        "(step: the whole step; train: forward/backward/optimizer; broadcast: the weight update)",
@@ -40,10 +42,16 @@ DROP_REASONS = {"num_dropped_stale": "stale", "num_dropped_other": "other", "num
 
 
 class PrometheusTracker:
-    """Turns each metrics record into the learner's Prometheus metrics."""
+    """Turns each metrics record into the learner's Prometheus metrics; with `poll` started, also
+    polls the queues until closed."""
 
     def __init__(self) -> None:
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._poller: asyncio.Task | None = None
+
+    def poll(self, issuer: PromptIssuer, streams: dict[str, StreamQueue]) -> None:
+        self._poller = asyncio.create_task(poll_queues(issuer, streams), name="metrics-poller")
+        self._poller.add_done_callback(_report)
 
     def log(self, record: dict[str, Any]) -> None:
         if record.get("kind") == "eval":
@@ -76,7 +84,15 @@ class PrometheusTracker:
         pass
 
     def close(self) -> None:
-        pass
+        # Stopped with the metrics writer, while the loop still runs: a queue call cancelled only
+        # at the loop's teardown could keep it from ever closing.
+        if self._poller is not None:
+            self._poller.cancel()
+
+
+def _report(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s failed: %r", task.get_name(), task.exception(), exc_info=task.exception())
 
 
 async def poll_queues(issuer: PromptIssuer, streams: dict[str, StreamQueue], period_s: float = 2.0) -> None:
@@ -87,8 +103,8 @@ async def poll_queues(issuer: PromptIssuer, streams: dict[str, StreamQueue], per
     while True:
         for name, queue in streams.items():
             try:
-                depth = await queue.depth()
-            except QueueUnavailable:
+                depth = await asyncio.wait_for(queue.depth(), period_s * 5)
+            except (QueueUnavailable, TimeoutError):
                 continue
             QUEUE_LENGTH.labels(name).set(depth.length)
             QUEUE_LAG.labels(name).set(depth.lag)

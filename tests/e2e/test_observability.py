@@ -1,13 +1,18 @@
 """One short `rlmesh up` run with everything observable on: the spans of one prompt group from the
-learner, rollout and reward processes reach a real OTLP/HTTP receiver under one trace id; every
-tier's Prometheus endpoint (ports found in the run directory) serves its metrics and they move
-between two scrapes; logs are JSON lines; TensorBoard gets the step metrics through the learner."""
+learner, rollout and reward processes reach a real OTLP/HTTP receiver under one trace id; a real
+Prometheus server (Debian's `prometheus` package) scrapes every tier's endpoint (ports found in the
+run directory) and its query API shows the learner's version, queue lag and the rollout tokens/s
+moving; logs are JSON lines; TensorBoard gets the step metrics through the learner."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,33 +73,77 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+QUERIES = ("rlmesh_learner_policy_version", 'rlmesh_queue_lag{stream="prompts"}',
+           "rlmesh_rollout_generated_tokens_total", "rate(rlmesh_rollout_generated_tokens_total[10s])")
+
+
 def _ports(run_dir) -> dict[str, int]:
     folder = run_dir / "metrics_ports"
     return {json.loads(p.read_text())["tier"]: json.loads(p.read_text())["port"] for p in folder.glob("*.json")} \
         if folder.is_dir() else {}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prometheus(tmp_path, ports: dict[str, int]) -> tuple[subprocess.Popen, int]:
+    """A Prometheus server scraping the tiers every second; its port."""
+    config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": tier, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]} for tier, port in ports.items()]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = _free_port()
+    proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("wb"))
+    return proc, port
+
+
+def _query(port: int, expr: str) -> float | None:
+    """One instant query through Prometheus' HTTP API (None: no series yet, or not up)."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        result = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
+    except OSError:
+        return None
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus package")
 def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monkeypatch):
     receiver = Receiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.server_port}")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
     run_dir = tmp_path / "run"
-    up = Up(run_dir, "learner.num_steps=8", "learner.eval_every=0", "sft.num_steps=20", "checkpoint.every_n_steps=0",
+    up = Up(run_dir, "learner.num_steps=20", "learner.eval_every=0", "sft.num_steps=20", "checkpoint.every_n_steps=0",
             "logging.metrics_port=0", "logging.format=json", "logging.trace_file=true",
             "logging.trackers=[jsonl,tensorboard]")
     try:
         up.wait_for(lambda: set(_ports(run_dir)) == {"learner", "rollout", "reward"}, 600, "three metrics endpoints")
         ports = _ports(run_dir)
         up.wait_for(lambda: _scrape(ports["learner"]).get("rlmesh_learner_policy_version", 0) >= 1, 600, "step 1")
+        prometheus, prom_port = _prometheus(tmp_path, ports)
+        up.wait_for(lambda: (_query(prom_port, "rlmesh_learner_policy_version") or 0) >= 1
+                    and None not in [_query(prom_port, e) for e in QUERIES], 600, "every series in Prometheus")
         first = {tier: _scrape(port) for tier, port in ports.items()}
-        version = first["learner"]["rlmesh_learner_policy_version"]
-        up.wait_for(lambda: _scrape(ports["learner"])["rlmesh_learner_policy_version"] > version, 600, "a later step")
+        q1 = {e: _query(prom_port, e) for e in QUERIES}
+        up.wait_for(lambda: _query(prom_port, "rlmesh_learner_policy_version") > q1["rlmesh_learner_policy_version"],
+                    600, "a later step in Prometheus")
         second = {tier: _scrape(port) for tier, port in ports.items()}
+        q2 = {e: _query(prom_port, e) for e in QUERIES}
         assert up.finish(timeout=600) == 0, up.output()[-4000:]
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+        if "prometheus" in locals():
+            prometheus.terminate()
+            prometheus.wait(10)
+    assert None not in q2.values(), q2
+    assert q2["rlmesh_rollout_generated_tokens_total"] > q1["rlmesh_rollout_generated_tokens_total"]
+    assert q2["rate(rlmesh_rollout_generated_tokens_total[10s])"] > 0  # rollout tokens/s
     assert second["learner"]["rlmesh_learner_policy_version"] > first["learner"]["rlmesh_learner_policy_version"]
     assert second["rollout"]["rlmesh_rollout_generated_tokens_total"] > \
         first["rollout"]["rlmesh_rollout_generated_tokens_total"]
@@ -129,4 +178,4 @@ def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monke
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
-    assert [e.step for e in events.Scalars("train/reward_mean")] == list(range(1, 9))
+    assert [e.step for e in events.Scalars("train/reward_mean")] == list(range(1, 21))
