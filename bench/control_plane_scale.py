@@ -7,12 +7,12 @@ learner (this process, real code): the LearnerService gRPC server (`rlmesh.learn
           InitWeightTransfer at each group rebuild; Pause, Start, UpdateWeights, Finish + digest
           check, Resume on every server at every step). The bytes are not moved: a simulated
           transport forms no gloo group (a 1,001-rank gloo group is not what this measures).
-clients (a second process): N asyncio tasks speaking the real protocols: RegisterGenerator, a
+clients (`--sim-procs` other processes): N asyncio tasks speaking the real protocols: RegisterGenerator, a
           Heartbeat every 2 s (the rollout server's period), and the real queue protocol on the
           same Valkey (read a prompt group from the consumer group, "generate" for `--gen-s`,
           publish a well-formed TrajectoryGroup of `--group-size` samples x `--completion-tokens`
-          tokens with logprobs, ack the prompt); one fake RolloutService gRPC servicer answers the
-          control RPCs, on N ports (so the learner holds N channels, N TCP connections).
+          tokens with logprobs, ack the prompt); a fake RolloutService gRPC servicer in each
+          process answers the control RPCs, on N ports in all (so the learner holds N channels, N TCP connections).
 Training is not run: the learner trains nothing, so everything it spends is control plane. Per
 step it takes `groups_per_step` = N groups (one per server; with max_staleness 1, 2N outstanding).
 
@@ -111,12 +111,13 @@ async def simulate(args: argparse.Namespace) -> None:
     errors: collections.Counter = collections.Counter()
 
     async def client(i: int) -> float:
+        i += args.first_client
         gid, rng = f"sim{i}", random.Random(i)
         # Its own queue client, as each rollout server has (a blocked read holds a connection).
         prompts, trajectories = run_streams(connect(args.queue_url), QueueSection(url=args.queue_url))
         t0 = time.monotonic()
         await learner.RegisterGenerator(learner_pb2.RegisterGeneratorRequest(
-            generator_id=gid, address=f"127.0.0.1:{ports[i]}", num_workers=1))
+            generator_id=gid, address=f"127.0.0.1:{ports[i - args.first_client]}", num_workers=1))
         registered = time.monotonic() - t0
 
         async def beat() -> None:
@@ -195,15 +196,20 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
     server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service,
                                   "rlmesh.v1.LearnerService")], port=0,
                                 limits=ServerLimits.from_config(NetworkSection(), "learner"))
-    sim = subprocess.Popen([sys.executable, __file__, "--simulate", "--num-clients", str(n), "--learner",
-                            f"127.0.0.1:{server.port}", "--queue-url", url, "--gen-s", str(args.gen_s),
-                            "--completion-tokens", str(args.completion_tokens),
-                            "--control", args.control],
-                           cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    # The simulated servers are spread over --sim-procs processes: one asyncio loop answering a
+    # thousand servers' calls at once starves (its calls fail CANCELLED), which no real server does.
+    procs = max(1, min(args.sim_procs, n))
+    slices = [(n * k // procs, n * (k + 1) // procs) for k in range(procs)]
+    sims = [subprocess.Popen([sys.executable, __file__, "--simulate", "--num-clients", str(hi - lo), "--first-client",
+                              str(lo), "--learner", f"127.0.0.1:{server.port}", "--queue-url", url, "--gen-s",
+                              str(args.gen_s), "--completion-tokens", str(args.completion_tokens),
+                              "--control", args.control],
+                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}) for lo, hi in slices]
     t0 = time.monotonic()
-    line = await asyncio.get_running_loop().run_in_executor(None, sim.stdout.readline)
-    register = {**json.loads(line), "all_registered_s": time.monotonic() - t0}
+    lines = [json.loads(await asyncio.get_running_loop().run_in_executor(None, sim.stdout.readline)) for sim in sims]
+    register = {"register_p50_s": max(x["register_p50_s"] for x in lines),
+                "register_max_s": max(x["register_max_s"] for x in lines), "all_registered_s": time.monotonic() - t0}
     assert len(membership.generators) == n, f"{len(membership.generators)} of {n} registered"
 
     examples = [Example(id=str(i), messages=[{"role": "user", "content": f"{i} + {i}?"}], env="arithmetic",
@@ -228,7 +234,8 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
         broke = "" if len(membership.generators) == n else f"{n - len(membership.generators)} servers dropped"
     init_s = time.monotonic() - t_init
     if broke:
-        sim.kill()
+        for sim in sims:
+            sim.kill()
         await server.stop(0)
         valkey.stop()
         return {"clients": n, **register, "group_init_s": init_s, "broke": broke}
@@ -271,10 +278,12 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
                       **{key: v for key, v in metrics.items() if key.startswith("broadcast_") and key.endswith("_s")}})
     info = await redis.info("memory")
     depth_p, depth_t = await prompts.depth(), await trajectories.depth()
-    sim.stdin.write("stop\n")
-    sim.stdin.flush()
-    client_errors = json.loads(sim.stdout.readline() or "{}").get("client_errors", {})
-    sim.kill()
+    client_errors: collections.Counter = collections.Counter()
+    for sim in sims:
+        sim.stdin.write("stop\n")
+        sim.stdin.flush()
+        client_errors.update(json.loads(sim.stdout.readline() or "{}").get("client_errors", {}))
+        sim.kill()
     await server.stop(0)
     for g in membership.generators.values():
         await g.channel.close()
@@ -293,7 +302,7 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
         "outstanding_after": issuer.in_flight, "buffered_after": len(buffer),
         "dropped": len(dropped), "duplicates": admission.num_duplicates,
         "prompt_stream_after": [depth_p.length, depth_p.lag], "trajectory_stream_after": [depth_t.length, depth_t.lag],
-        "client_errors": client_errors, "learner_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "client_errors": dict(client_errors), "sim_procs": procs, "learner_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -310,7 +319,9 @@ def main() -> None:
                         "per server per step); separate: as servers before that (5 calls)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sim-procs", type=int, default=8, help="processes the simulated servers are spread over")
     p.add_argument("--num-clients", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--first-client", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--learner", help=argparse.SUPPRESS)
     p.add_argument("--queue-url", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -10,12 +10,18 @@ issued, or one already back, is not this run's work and changes no count."""
 
 from __future__ import annotations
 
+import asyncio
+
 from google.protobuf.struct_pb2 import Struct
 
 from rlmesh.learner.data import Example, TrainData, in_order
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import StreamQueue
 from rlmesh.services.telemetry import group_span
+
+PUBLISH_CONCURRENCY = 32
+"""Prompt groups `issue_train` publishes at once: each is a queue round trip, and a thousand in
+series (a step's worth at a thousand rollout servers) took seconds of the learner's step."""
 
 
 class PromptIssuer:
@@ -63,10 +69,13 @@ class PromptIssuer:
         """Top the outstanding train groups (in flight + buffered) back up to the bound; returns
         how many were issued."""
         budget = max((self.k + 1) * self.B - self.in_flight - num_buffered, 0)
+        groups = []
         for _ in range(budget):
             ex = self.train_set.at(self.cursor)
             self.cursor += 1
-            await self.publish(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
+            groups.append(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
+        for i in range(0, len(groups), PUBLISH_CONCURRENCY):
+            await asyncio.gather(*(self.publish(g) for g in groups[i:i + PUBLISH_CONCURRENCY]))
         return budget
 
     def issued(self, group: common_pb2.TrajectoryGroup) -> common_pb2.PromptGroup | None:
