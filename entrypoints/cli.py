@@ -145,10 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         from rlmesh.entrypoints.evaluate import run_eval
 
         return run_eval(config, args)
-    if args.command == "eval":
-        from rlmesh.entrypoints.evaluate import run_eval
-
-        return run_eval(config, args)
     if args.command == "up":
         from rlmesh.entrypoints.up import run_up
 

@@ -342,8 +342,6 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
            on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
     from tqdm import tqdm
 
-    from rlmesh.learner.metrics import read_metrics
-
     bar = tqdm(total=config.learner.num_steps, desc="GRPO", unit="step", disable=not config.logging.progress,
                dynamic_ncols=True)
     metrics = _Tail(run_dir / "metrics.jsonl")
