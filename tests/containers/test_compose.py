@@ -16,6 +16,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -123,11 +124,15 @@ def run(tmp_path_factory):
     """Build the images, bring the stack up clean, inject the faults, wait for the learner to finish;
     yields what the tests check. `down` happens here and its leftovers are returned too."""
     subprocess.run([str(STACK), "images"], check=True, timeout=1800)
-    config_dir = tmp_path_factory.mktemp("config")
+    # The containers run as uid 10001 and read the config through a bind mount: pytest's own tmp
+    # directories are private to root (0700), so the config goes where that user can read it.
+    config_dir = Path(tempfile.mkdtemp(prefix="rlmesh-compose-config-"))
+    config_dir.chmod(0o755)
     config = yaml.safe_load((REPO / "deploy/compose.rlmesh.yaml").read_text())
     config["learner"].update(num_steps=NUM_STEPS, groups_per_step=GROUPS_PER_STEP, eval_every=0, min_generators=2)
     config["checkpoint"]["every_n_steps"] = 8
     (config_dir / "compose.rlmesh.yaml").write_text(yaml.safe_dump(config))
+    (config_dir / "compose.rlmesh.yaml").chmod(0o644)
     stack = Stack(config_dir)
     stack.compose("down", "-v", "--remove-orphans")
     assert stack.containers() == [], "leftover containers from an earlier run"
