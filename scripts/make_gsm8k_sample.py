@@ -8,11 +8,10 @@ files every run, so they are committed and the tests read them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 from collections.abc import Callable
-from pathlib import Path
+
+from sample_data import generate
 
 NAMES = [("Ava", "She"), ("Ben", "He"), ("Chloe", "She"), ("Dev", "He"), ("Elena", "She"), ("Felix", "He"),
          ("Grace", "She"), ("Hiro", "He"), ("Ines", "She"), ("Jamal", "He"), ("Kira", "She"), ("Liam", "He")]
@@ -106,29 +105,9 @@ def make_rows(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, st
     return rows
 
 
-def write(rows: list[dict[str, str]], stem: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pq.write_table(pa.Table.from_pylist(rows), stem.with_suffix(".parquet"))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "examples/data/gsm8k_sample"))
-    parser.add_argument("--num-train", type=int, default=400)
-    parser.add_argument("--num-test", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    rng, seen = random.Random(args.seed), set()
-    train = make_rows(args.num_train, rng, seen)
-    test = make_rows(args.num_test, rng, seen)
-    write(train, out / "train")
-    write(test, out / "test")
-    print(f"wrote {len(train)} train and {len(test)} test rows to {out}")
+    generate(__doc__.split("\n\n")[0], make_rows, default_output="examples/data/gsm8k_sample", num_train=400,
+             test_first=False)
 
 
 if __name__ == "__main__":
