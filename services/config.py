@@ -528,7 +528,7 @@ class SFTSection(Section):
     lr: float = Field(3e-3, gt=0)
     """SFT learning rate."""
     label_noise: float = Field(0.0, ge=0, le=1)
-    """Fraction of SFT targets made wrong so the warm start leaves room for RL: a stray trailing "!" on a single answer; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
+    """Fraction of SFT targets made wrong so the warm start leaves room for RL: a single answer is replaced by the example's `rejected` answer where it has one (data.rejected_key), else gets a stray trailing "!"; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
 
 
 class DPOSection(Section):
@@ -716,7 +716,6 @@ class LoggingSection(Section):
     """Prometheus /metrics port of every service, on network.host (0: any free port; ports written to `<run_dir>/metrics_ports/`; None: off)."""
     trace_file: bool = False
     """Also write every span as one JSON object per line to `<run_dir>/traces/<service>-<pid>.jsonl` (OTLP is used when OTEL_EXPORTER_OTLP_ENDPOINT is set)."""
-
 
 
 class CheckpointSection(Section):
