@@ -100,9 +100,22 @@ class Mesh:
                 svc.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        # SIGKILL is delivered asynchronously: return only once every group is empty, so nothing a
+        # service started is still exiting after `rlmesh up` (or `rlmesh.train`) has returned.
+        deadline = time.monotonic() + 5.0
+        while any(_group_alive(svc.proc) for svc in self.services) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.valkey is not None:
             self.valkey.stop()
             self.valkey = None
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    try:
+        os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
