@@ -130,10 +130,27 @@ def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monke
                     and None not in [_query(prom_port, e) for e in QUERIES], 600, "every series in Prometheus")
         first = {tier: _scrape(port) for tier, port in ports.items()}
         q1 = {e: _query(prom_port, e) for e in QUERIES}
-        up.wait_for(lambda: _query(prom_port, "rlmesh_learner_policy_version") > q1["rlmesh_learner_policy_version"],
-                    600, "a later step in Prometheus")
-        second = {tier: _scrape(port) for tier, port in ports.items()}
-        q2 = {e: _query(prom_port, e) for e in QUERIES}
+        later: dict = {}
+
+        def moved() -> bool:
+            # the learner's version and the rollout's token counter move at their own times (generation runs
+            # ahead of training by up to max_staleness versions): wait until both have, in Prometheus and on
+            # the endpoints
+            later["q"] = {e: _query(prom_port, e) for e in QUERIES}
+            try:
+                later["scrape"] = {tier: _scrape(port) for tier, port in ports.items()}
+            except OSError:  # a tier restarting or already gone: the wait's own checks say which
+                return False
+            q, scrape = later["q"], later["scrape"]
+            return None not in q.values() and \
+                q["rlmesh_learner_policy_version"] > q1["rlmesh_learner_policy_version"] and \
+                q["rlmesh_rollout_generated_tokens_total"] > q1["rlmesh_rollout_generated_tokens_total"] and \
+                scrape["learner"]["rlmesh_learner_policy_version"] > first["learner"]["rlmesh_learner_policy_version"] \
+                and scrape["rollout"]["rlmesh_rollout_generated_tokens_total"] > \
+                first["rollout"]["rlmesh_rollout_generated_tokens_total"]
+
+        up.wait_for(moved, 600, "a later step and more generated tokens in Prometheus")
+        second, q2 = later["scrape"], later["q"]
         assert up.finish(timeout=600) == 0, up.output()[-4000:]
     finally:
         if up.proc.poll() is None:
