@@ -10,7 +10,8 @@ training backend's own no-grad forward, so at step 0 every implicit reward is ex
       sft_model/       the warm start (only with sft.num_steps > 0)
       model/           the DPO policy (HF model directory, tokenizer included)
       metrics.jsonl    one line per step (loss, reward accuracy and margin, chosen / rejected reward)
-                       and per held-out evaluation
+                       and per held-out evaluation; also in the trackers `logging.trackers` names,
+                       as the `dpo` stage (the warm start's steps: `sft_metrics.jsonl`, `sft` stage)
       summary.json     held-out preference accuracy and greedy match before -> after
 """
 
@@ -27,8 +28,7 @@ from typing import TYPE_CHECKING
 
 from rlmesh.learner.train.batch import MicroBatch, Sequence, plan_step
 from rlmesh.learner.data import Example, TrainOrder, load_dataset
-from rlmesh.learner.metrics import MetricsWriter
-from rlmesh.learner.recipes.offline import train_offline
+from rlmesh.learner.recipes.offline import stage_metrics, train_offline
 from rlmesh.learner.recipes.sft import prepare_model, run_sft
 from rlmesh.domain.chat import ChatCodec
 
@@ -124,8 +124,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
     held_out = [objective.pair(ex) for ex in eval_set]
     max_tokens = max(len(s.completion_ids) for pair in held_out for s in pair)
 
-    (output / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same output starts afresh
-    metrics = MetricsWriter(output)
+    metrics = stage_metrics(config, output, "dpo", "metrics.jsonl")
 
     def evaluate(step: int) -> dict:
         record = {"kind": "eval", "step": step, **preference_accuracy(trainer, held_out, cfg.beta, mbs, pad_id)}

@@ -1,7 +1,8 @@
 """The offline training loop that SFT and DPO share: each step draws a batch of examples, the
 objective makes its sequences, the trainer steps; the step's metrics are written, the held-out
 set is evaluated every `eval_every` steps and at the end, and the trained model is saved as an HF
-directory (tokenizer and generation config included)."""
+directory (tokenizer and generation config included). The step metrics go to a JSONL file and to
+the experiment trackers `logging.trackers` names, as a stage of the run directory (`stage_metrics`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlmesh.learner.metrics import MetricsWriter
+
 if TYPE_CHECKING:
     from rlmesh.learner.data import Example, TrainData
-    from rlmesh.learner.metrics import MetricsWriter
     from rlmesh.learner.train.trainer import Trainer
-    from rlmesh.services.config import DPOSection, SFTSection
+    from rlmesh.services.config import DPOSection, RunConfig, SFTSection
+
+
+def stage_metrics(config: RunConfig, run_dir: Path, stage: str, name: str) -> MetricsWriter:
+    """A writer of `<run_dir>/<name>` (a rerun into the same directory starts it afresh) that also
+    hands every record to the trackers in `logging.trackers`, as the run directory's `stage` run
+    (TensorBoard `tensorboard/<stage>`, W&B and MLflow run `<run_dir name>-<stage>`): an SFT warm
+    start's steps stay apart from the RL steps that follow it."""
+    from rlmesh.learner.trackers import build_trackers
+
+    (run_dir / name).unlink(missing_ok=True)
+    trackers = build_trackers(config.logging, run_dir, run_dir.name, config.model_dump(mode="json"), stage=stage)
+    return MetricsWriter(run_dir, name, trackers=trackers)
 
 
 def train_offline(trainer: Trainer, examples: TrainData | list[Example], rng: random.Random,

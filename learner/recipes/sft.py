@@ -1,6 +1,8 @@
 """`rlmesh sft`: supervised fine-tuning (masked NLL on assistant tokens, `rlmesh.learner.train.
 objectives.sft`) through the same trainer, backend and step as RL, on the offline loop it shares
-with DPO. The demo uses it as a warm start so the policy begins with some reward to improve on."""
+with DPO. The demo uses it as a warm start so the policy begins with some reward to improve on.
+Its step metrics go to `sft_metrics.jsonl` next to the output directory (in `rlmesh up`, the run
+directory) and to the trackers `logging.trackers` names, as the run's `sft` stage."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import random
 from pathlib import Path
 
 from rlmesh.learner.data import load_dataset
-from rlmesh.learner.recipes.offline import train_offline
+from rlmesh.learner.recipes.offline import stage_metrics, train_offline
 from rlmesh.domain.chat import ChatCodec
 from rlmesh.services.config import HFModelSection, LoRASection, RunConfig
 
@@ -44,8 +46,13 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
     full = config.model_copy(update={"learner": config.learner.model_copy(update={"lora": LoRASection()})})
     trainer = Trainer(full, model_dir, objective, lr=config.sft.lr, pad_id=tokenizer.pad_token_id)
     train, _ = load_dataset(config.data, config.run.seed)
-    train_offline(trainer, train, rng, config.sft, output=output, tokenizer=tokenizer, source_dir=model_dir,
-                  desc="sft", postfix=lambda m: {"nll": f"{m['nll']:.3f}"}, show_progress=show_progress)
+    metrics = stage_metrics(config, output.parent, "sft", "sft_metrics.jsonl")
+    try:
+        train_offline(trainer, train, rng, config.sft, output=output, tokenizer=tokenizer, source_dir=model_dir,
+                      desc="sft", postfix=lambda m: {"nll": f"{m['nll']:.3f}"}, show_progress=show_progress,
+                      metrics=metrics)
+    finally:
+        metrics.close()
     log.info("SFT model written to %s", output)
     return output
 

@@ -1,6 +1,6 @@
 """MLflow: a local file store in `<run_dir>/mlruns` unless `logging.mlflow_tracking_uri` names a
 server. The run id is kept in `<run_dir>/mlflow_run_id.txt`, so a resumed learner continues the
-same MLflow run."""
+same MLflow run; an offline stage (SFT, DPO) is its own run in the same experiment, `<run>-<stage>`."""
 
 from __future__ import annotations
 
@@ -9,30 +9,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlmesh.learner.trackers.base import flat_config, scalars
+from rlmesh.learner.trackers.base import RunFiles, flat_config, scalars
 
 MAX_BATCH = 100  # MLflow's log_batch limit on params (and a sensible chunk for metrics)
 
 
 class MlflowTracker:
-    def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], *,
-                 tracking_uri: str | None, experiment: str) -> None:
+    def __init__(self, files: RunFiles, config: dict[str, Any], *, tracking_uri: str | None, experiment: str) -> None:
         from mlflow.tracking import MlflowClient
 
         if tracking_uri is None:
             # MLflow 3 refuses its file store unless asked; it needs no database and no server.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.tracking_uri = tracking_uri or (run_dir / "mlruns").resolve().as_uri()
+        self.tracking_uri = tracking_uri or (files.run_dir / "mlruns").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        id_file = run_dir / "mlflow_run_id.txt"
-        if id_file.exists():
-            self.run_id = id_file.read_text().strip()
+        resumed = files.resumed_id("mlflow")
+        if resumed is not None:
+            self.run_id = resumed
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-            id_file.write_text(self.run_id + "\n")
+            self.run_id = self.client.create_run(experiment_id, run_name=files.name).info.run_id
+            files.id_file("mlflow").write_text(self.run_id + "\n")
             self._params(config)
 
     def _params(self, config: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""TensorBoard: event files in `<run_dir>/tensorboard` (a resumed run appends to the same logdir)."""
+"""TensorBoard: event files in `<run_dir>/tensorboard` (a resumed run appends to the same logdir); an
+offline stage (SFT, DPO) writes its own sub-run, `<run_dir>/tensorboard/<stage>`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from rlmesh.learner.trackers.base import flat_config, scalars
 
 
 class TensorBoardTracker:
-    def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, logdir: Path, config: dict[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        self.logdir = run_dir / "tensorboard"
+        self.logdir = logdir
         self._writer = SummaryWriter(log_dir=str(self.logdir))
         # The hparams plugin's summaries, written into this logdir (add_hparams would make a sub-run).
         for summary in hparams(flat_config(config), {}):

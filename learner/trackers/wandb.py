@@ -1,6 +1,6 @@
 """Weights & Biases: offline unless WANDB_MODE says otherwise (`wandb sync <run_dir>/wandb` uploads
 it later). The run id is kept in `<run_dir>/wandb_run_id.txt`, so a resumed learner continues the
-same W&B run."""
+same W&B run; an offline stage (SFT, DPO) is its own run, `<run>-<stage>`, of job type `<stage>`."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rlmesh.learner.trackers.base import scalars
+from rlmesh.learner.trackers.base import RunFiles, scalars
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], *, project: str) -> None:
+    def __init__(self, files: RunFiles, config: dict[str, Any], *, project: str) -> None:
         import wandb
 
-        id_file = run_dir / "wandb_run_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
-        id_file.write_text(run_id + "\n")
+        run_id = files.resumed_id("wandb") or uuid.uuid4().hex[:8]
+        files.id_file("wandb").write_text(run_id + "\n")
         self._wandb = wandb
-        self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=str(run_dir),
+        self.run = wandb.init(project=project, name=files.name, id=run_id, resume="allow", dir=str(files.run_dir),
+                              group=files.run_name, job_type=files.stage or "rl",
                               config=config, mode=os.environ.get("WANDB_MODE", "offline"),
                               settings=wandb.Settings(console="off", silent=True))
 

@@ -2,6 +2,7 @@
 reader: TensorBoard's EventAccumulator, the W&B offline run file (wandb's DataStore), MLflow's
 client. A second writer on the same run directory continues the same runs (resume)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,43 @@ def test_every_tracker_reads_back_the_step_metrics(tmp_path, monkeypatch):
     assert run.data.params["learner.lr"] == "1e-05"
     assert "reward_curve.png" in [a.path for a in client.list_artifacts(run_id)]
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_sft_and_dpo_steps_reach_the_trackers_as_their_own_runs(tmp_path, monkeypatch):
+    """`rlmesh dpo` with an SFT warm start, then an RL writer on the same run directory: each stage is
+    its own tracker run (TensorBoard sub-run, MLflow run `<run>-<stage>`), so the offline steps, which
+    count from 1 again, never land among the RL steps."""
+    from rlmesh.learner.recipes.dpo import run_dpo
+    from rlmesh.services.config import load_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = load_config(None, ["sft.num_steps=3", "sft.batch_size=8", "dpo.num_steps=2", "dpo.batch_size=8",
+                                "learner.micro_batch_size=8", "learner.torch_threads=1", "data.num_eval=4",
+                                "logging.trackers=[jsonl,tensorboard,mlflow]"])
+    out = tmp_path / "run"
+    run_dpo(config, out, show_progress=False)
+    _write(out, config.logging, range(1, 3), config.model_dump(mode="json"))  # the RL learner after it
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def tb(logdir: Path) -> EventAccumulator:
+        return EventAccumulator(str(logdir)).Reload()
+
+    sft, dpo, rl = tb(out / "tensorboard" / "sft"), tb(out / "tensorboard" / "dpo"), tb(out / "tensorboard")
+    assert [e.step for e in sft.Scalars("train/nll")] == [1, 2, 3]
+    assert [e.step for e in dpo.Scalars("train/loss")] == [1, 2]
+    assert [e.step for e in dpo.Scalars("eval/preference_accuracy")] == [0, 2]
+    assert "train/nll" not in rl.Tags()["scalars"] and "train/loss" not in rl.Tags()["scalars"]
+    assert [e.step for e in rl.Scalars("train/reward_mean")] == [1, 2]
+    jsonl = [json.loads(line) for line in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [round(e.value, 5) for e in sft.Scalars("train/nll")] == [round(r["nll"], 5) for r in jsonl]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("rlmesh").experiment_id])}
+    assert set(runs) == {"trk", "run-sft", "run-dpo"}  # _write names the RL run "trk"
+    nll = client.get_metric_history(runs["run-sft"].info.run_id, "train/nll")
+    assert sorted(m.step for m in nll) == [1, 2, 3]
+    assert runs["run-sft"].data.params["sft.num_steps"] == "3"
+    assert "train/nll" not in runs["trk"].data.metrics and "train/reward_mean" in runs["trk"].data.metrics

@@ -22,7 +22,9 @@ V1, DOMAIN, SERVICES = "rlmesh.v1", "rlmesh.domain", "rlmesh.services"
 ENGINE = "rlmesh.learner.train"
 # data.py and hf_data.py (`data.type: hf`) are one concept: the examples every recipe and the RL service read.
 DATA = ("rlmesh.learner.data", "rlmesh.learner.hf_data")
-LEARNER_SHARED = (*DATA, "rlmesh.learner.metrics")
+# The experiment trackers take the metrics records of the RL learner and of the offline recipes alike.
+TRACKERS = "rlmesh.learner.trackers"
+LEARNER_SHARED = (*DATA, "rlmesh.learner.metrics", TRACKERS)
 
 # Layers, most specific prefix first: a module belongs to the first layer its name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -34,6 +36,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rlmesh.learner.data", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.hf_data", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.metrics", (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics")),
+    # the Prometheus hook polls the RL learner's issuer and queues: part of the RL service
+    ("rlmesh.learner.trackers.prometheus", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED, "rlmesh.learner")),
+    (TRACKERS, (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics", TRACKERS)),
     ("rlmesh.learner.recipes", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED,
                                 "rlmesh.learner.devtools", "rlmesh.learner.recipes")),
     # the RL learner service: controller, builder and the components they wire
