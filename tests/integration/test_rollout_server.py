@@ -4,75 +4,29 @@ and broadcast code: generation, in-place weight updates, and the queue worker en
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import yaml
 
-from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
-from rlmesh.learner.membership import LearnerService, Membership
-from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2
-from rlmesh.services.config import WeightSyncSection
-from rlmesh.services.grpc_server import start_server
-from rlmesh.services.ports import free_port
+from rlmesh.learner.broadcast import WeightSource
+from rlmesh.v1 import common_pb2, rollout_pb2
+from tests.integration.rollout_mesh import rollout_mesh
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def mesh(tiny_model_dir, valkey_url, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rollout")
-    membership = Membership(token=None, rpc_timeout_s=60)
     state = {"version": 0}
-    service = LearnerService(membership, "test-run", lambda: learner_pb2.LearnerStatusResponse(), lambda: state["version"])
-    learner = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service,
-                                   "rlmesh.v1.LearnerService")], port=0)
-    reward_port = free_port()
-    suffix = uuid.uuid4().hex[:6]
-    config = {
-        "model": {"type": "hf", "path": str(tiny_model_dir)},
-        "queue": {"url": valkey_url, "prompt_stream": f"p-{suffix}", "trajectory_stream": f"t-{suffix}"},
-        "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
-        # Prefix caching on: the weight-update tests below then also prove that KV computed by old
-        # weights is never reused for the same prompt after an update.
-        "rollout": {"max_tokens": 8, "max_model_len": 512, "enable_prefix_caching": True},
-    }
-    cfg_path = tmp / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    logs = {name: (tmp / f"{name}.log").open("wb") for name in ("reward", "rollout")}
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", "reward", "-c", str(cfg_path), "--port", str(reward_port)],
-                         stdout=logs["reward"], stderr=subprocess.STDOUT, env=env, start_new_session=True),
-        subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", "rollout", "-c", str(cfg_path), "--port", "0",
-                          "--generator-id", "gen-0"], stdout=logs["rollout"], stderr=subprocess.STDOUT, env=env,
-                         start_new_session=True),
-    ]
-    deadline = time.monotonic() + 300
-    while "gen-0" not in membership.generators:
-        assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "rollout server did not register in 300s"
-        await asyncio.sleep(0.5)
-    from rlmesh.services.weights.base import build_sender
-
-    async def run_torch(fn, *args):
-        return await asyncio.to_thread(fn, *args)
-
-    sync = WeightSyncSection(timeout_s=120)
-    broadcaster = WeightBroadcaster(membership, sync, build_sender(sync), run_torch)
-    yield {"membership": membership, "broadcaster": broadcaster, "state": state, "config": config,
-           "stub": membership.generators["gen-0"].stub, "tmp": tmp}
-    for p in procs:
-        os.killpg(p.pid, 9)
-        p.wait()
-    await learner.stop(0)
+    # Prefix caching on: the weight-update tests below then also prove that KV computed by old
+    # weights is never reused for the same prompt after an update.
+    rollout = {"max_tokens": 8, "max_model_len": 512, "enable_prefix_caching": True}
+    async with rollout_mesh(tmp_path_factory.mktemp("rollout"), tiny_model_dir, valkey_url, rollout=rollout,
+                            version=lambda: state["version"]) as parts:
+        yield {**parts, "state": state}
 
 
 def _prompt(n: int, greedy: bool, content: str = "3+4=") -> common_pb2.PromptGroup:
