@@ -121,7 +121,7 @@ def test_an_error_inside_a_union_member_names_the_key_the_user_wrote():
 def _tagged_sections():
     """(dotted section, tag) for every member of every discriminated union in RunConfig, read
     from the annotations: a union type added later is covered without touching this test."""
-    from rlmesh.services.config import _Tagged, _node
+    from rlmesh.services.config.run_config import _Tagged, _node
 
     def walk(model, prefix):
         for name, field in model.model_fields.items():

@@ -1,0 +1,65 @@
+"""The rollout section of the run config: rollout servers (vLLM) and multi-turn episode budgets."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from rlmesh.services.config.base import Section
+
+
+class EpisodeSection(Section):
+    max_turns: int = Field(8, ge=1)
+    """Model turns of one multi-turn episode; past it the episode ends (finish_reason `max_turns`)."""
+    max_total_tokens: int | None = Field(None, ge=2)
+    """Prompt plus every turn's tokens; each turn's generation is capped to fit (unset: rollout.max_model_len)."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one environment Reset or Step call; past it the episode fails with reason `step_timeout`."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of a whole episode (generation and environment); past it the episode fails with `episode_timeout`."""
+    on_error: Literal["drop", "penalize"] = "drop"
+    """A failed episode (environment error, timeout) is dropped from training (`drop`), or trained with `error_reward` (`penalize`)."""
+    error_reward: float = 0.0
+    """Reward of a failed episode under on_error=penalize."""
+
+
+class RolloutSection(Section):
+    num_servers: int = Field(1, ge=1)
+    """Rollout servers `rlmesh up` starts."""
+    max_concurrent_groups: int = Field(64, ge=1)
+    """Prompt groups one server generates at once (vLLM batches them)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; only 1 is accepted (see the validator: truncated-distribution logprobs bias the importance ratio)."""
+    max_tokens: int = Field(16, ge=1)
+    """Completion length cap."""
+    max_n: int = Field(256, ge=1)
+    """Completions one Generate call may ask for (`prompt.n`); more is INVALID_ARGUMENT."""
+    max_model_len: int = Field(256, ge=16)
+    """vLLM context length."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """vLLM weights dtype (float32 keeps CPU logprobs close to the learner's)."""
+    enforce_eager: bool = True
+    """Skip torch.compile / graphs (much faster start-up on CPU)."""
+    enable_prefix_caching: bool = False
+    """Reuse the KV of shared prompt prefixes (the n samples of a group, shared system prompts); the cache is reset at every weight update, so KV computed by old weights is never reused."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_cores: str = "auto"
+    """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND): '0', '0-3' or 'auto'."""
+    episode: EpisodeSection = EpisodeSection()
+    """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _untruncated(cls, top_p: float) -> float:
+        if top_p < 1:
+            raise ValueError(
+                f"rollout.top_p={top_p} is refused: vLLM returns logprobs of the truncated (renormalised) distribution "
+                "while the learner scores the full one, so pi_old / pi_behaviour is biased below 1 on every sampled "
+                "token (by the kept mass), and the off-policy correction (algorithm.off_policy) weights every token "
+                "by that bias; set rollout.top_p=1 and lower rollout.temperature to sharpen sampling instead"
+            )
+        return top_p

@@ -1,0 +1,191 @@
+"""The training sections of the run config: the learner and its backend, LoRA, SFT, DPO, the RL
+algorithm and checkpointing."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from rlmesh.services.config.base import Section
+
+
+class LoRASection(Section):
+    rank: Literal[0, 1, 8, 16, 32, 64, 128, 256] = 0
+    """LoRA rank r (0: off, full fine-tuning); the ranks vLLM can serve (its max_lora_rank choices)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the adapter's update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (0 keeps the learner's logprobs equal to vLLM's)."""
+    target_modules: list[str] | str = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Module names (suffixes) that get an adapter, or "all-linear"; passed to peft's LoraConfig."""
+
+
+class FSDP2BackendSection(Section):
+    type: Literal["fsdp2"] = "fsdp2"
+    """PyTorch FSDP2 (`fully_shard`) over an HF model; gloo on CPU, NCCL on GPU."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the sharded parameters."""
+
+
+class MegatronBackendSection(Section):
+    type: Literal["megatron"] = "megatron"
+    """Megatron-core GPTModel (HF Qwen2/Llama converted in and out), its DDP and distributed optimizer."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel size (splits attention heads, MLP and vocabulary over ranks)."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline-parallel size (splits the layers into stages); data parallel = num_ranks / (tensor * pipeline)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype (bfloat16 keeps float32 master weights in the optimizer)."""
+
+
+BackendSection = Annotated[
+    Union[FSDP2BackendSection, MegatronBackendSection], Field(discriminator="type")
+]
+
+
+class LearnerSection(Section):
+    backend: BackendSection = FSDP2BackendSection()
+    """Training backend, chosen by `type` (fsdp2, megatron)."""
+    num_ranks: int = Field(1, ge=1)
+    """Training processes; above 1, `rlmesh up` launches the learner under torchrun (rank 0 is the controller)."""
+    max_restarts: int = Field(3, ge=0)
+    """Times torchrun restarts the whole learner job after a rank dies (it resumes from the newest checkpoint)."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate (peak)."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """constant, or linear decay from `lr` to `lr * lr_final_ratio` over `num_steps`."""
+    lr_final_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of `lr` (linear schedule)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm."""
+    num_steps: int = Field(40, ge=1)
+    """Optimizer steps of RL (each bumps the policy version)."""
+    groups_per_step: int = Field(16, ge=1)
+    """Prompt groups consumed per optimizer step."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Build micro-batches by a padded-token budget (rows x longest row) over length-sorted sequences instead of micro_batch_size sequences in order: long-tail batches pad far less; the step's loss and update are the same (0: off)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on held-out prompts every N steps (0: only before and after)."""
+    eval_overlap: bool = True
+    """Mid-run evaluations run beside training: the learner issues the eval prompts and goes on, and
+    the record is written when the last answer is back (`generated_at_versions` says which weights
+    answered; newer than `version` if a weight update reached the rollout tier first). false: the
+    learner waits for each evaluation, and every answer comes from exactly `version`. The first and
+    last evaluations always wait."""
+    eval_pass_k: list[int] = []
+    """Also report pass@k for these k (e.g. [1, 4, 8]), per environment: every held-out prompt gets `eval_num_samples` completions sampled at rollout.temperature beside its greedy one (empty: greedy accuracy only)."""
+    eval_num_samples: int | None = Field(None, ge=1)
+    """Completions sampled per held-out prompt for pass@k (unset: the largest k); must be at least every k."""
+
+    @model_validator(mode="after")
+    def _pass_k_fits(self) -> LearnerSection:
+        n = self.eval_num_samples or max(self.eval_pass_k, default=1)
+        bad = [k for k in self.eval_pass_k if not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"learner.eval_pass_k={self.eval_pass_k}: every k must be in [1, eval_num_samples={n}] "
+                             f"(got {bad}); raise learner.eval_num_samples or drop those k")
+        return self
+    torch_threads: int = Field(1, ge=1)
+    """torch intra-op threads of the learner process."""
+    cpu_cores: str = Field("auto", pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")
+    """Cores the learner's processes are pinned to, e.g. '1' or '1-3,6' ('auto': not pinned). On a small machine, give vLLM (rollout.cpu_cores) and the learner different cores so generation and training overlap instead of sharing cores."""
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _core_list_as_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, int) else value  # `learner.cpu_cores=1` parses as YAML int
+    min_generators: int = Field(1, ge=1)
+    """Rollout servers that must have registered before the learner issues work."""
+    lora: LoRASection = LoRASection()
+    """LoRA (peft) on the FSDP2 backend: only the adapter trains, and each weight update ships only the adapter."""
+
+
+class SFTSection(Section):
+    num_steps: int = Field(0, ge=0)
+    """Supervised warm-start steps before RL (0: none)."""
+    batch_size: int = Field(64, ge=1)
+    """Sequences per SFT step."""
+    lr: float = Field(3e-3, gt=0)
+    """SFT learning rate."""
+    label_noise: float = Field(0.0, ge=0, le=1)
+    """Fraction of SFT targets made wrong so the warm start leaves room for RL: a single answer is replaced by the example's `rejected` answer where it has one (data.rejected_key), else gets a stray trailing "!"; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
+
+
+class DPOSection(Section):
+    num_steps: int = Field(0, ge=0)
+    """Optimizer steps of `rlmesh dpo` (0: none; `rlmesh dpo` asks for a positive number)."""
+    batch_size: int = Field(32, ge=1)
+    """Preference pairs per step."""
+    lr: float = Field(1e-4, gt=0)
+    """DPO learning rate (constant)."""
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL to the reference policy (the starting model): the loss is -log sigmoid(beta * ((log pi - log ref)(chosen) - (log pi - log ref)(rejected)))."""
+    sft_weight: float = Field(0.0, ge=0)
+    """Adds this times the chosen responses' mean token NLL to the loss (RPO): keeps DPO from making the chosen answers themselves less likely while it widens the margin (0: plain DPO)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the held-out pairs every N steps (0: only before and after)."""
+
+
+class OffPolicySection(Section):
+    mode: Literal["tis", "icepop", "seq_mask", "seq_tis"] = "tis"
+    """Correction for pi_old / pi_behaviour (staleness, train/inference mismatch): `tis` token weight min(ratio, algorithm.tis_cap); `icepop` token weight = ratio inside [low, high], 0 outside; `seq_mask` sequence weight = the sequence's ratio inside [low, high], 0 (the sequence dropped) outside; `seq_tis` sequence weight min(sequence ratio, algorithm.tis_cap)."""
+    low: float = Field(0.5, ge=0)
+    """Lower edge of the ratio band of `icepop` and `seq_mask`."""
+    high: float = Field(2.0, gt=0)
+    """Upper edge of the ratio band of `icepop` and `seq_mask`."""
+    seq_ratio: Literal["geometric_mean", "product"] = "geometric_mean"
+    """A sequence's ratio for `seq_mask` / `seq_tis`: exp(mean token log-ratio), independent of length, or exp(sum), the product of token ratios (TRL's `sequence_*` modes)."""
+
+    @model_validator(mode="after")
+    def _band(self) -> "OffPolicySection":
+        if self.low >= self.high:
+            raise ValueError(f"algorithm.off_policy.low={self.low} must be below algorithm.off_policy.high={self.high}")
+        return self
+
+
+class KLSection(Section):
+    coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy (the frozen starting model); 0: off, no reference model is built."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(pi || pi_ref) on sampled tokens, d = log pi - log pi_ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d."""
+    clamp: float = Field(10.0, gt=0)
+    """Each token's estimate is clamped to [-clamp, clamp] (as verl's low_var_kl): on stale samples k3 grows like exp(-d) where the policy has since made a sampled token unlikely, and one such token would otherwise outweigh the step."""
+    where: Literal["loss", "reward"] = "loss"
+    """`loss`: coef * estimator(pi_theta, pi_ref) added to each token's loss (differentiated); `reward`: coef * the summed estimator of the sampled sequence under the behaviour policy subtracted from its reward before advantages."""
+
+
+class AlgorithmSection(Section):
+    name: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
+    """Policy-gradient family member (sets advantage and loss normalisation)."""
+    group_size: int = Field(8, ge=2)
+    """Completions per prompt (`n`)."""
+    max_staleness: int = Field(1, ge=0)
+    """k: 0 is synchronous on-policy; k >= 1 overlaps generation with training."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO ratio clip below 1."""
+    clip_high: float = Field(0.2, ge=0)
+    """PPO ratio clip above 1 (DAPO's clip-higher raises it)."""
+    tis_cap: float = Field(2.0, ge=1)
+    """Truncated importance sampling cap on pi_old / pi_behaviour (per token for off_policy.mode=tis, per sequence for seq_tis)."""
+    drop_zero_advantage_groups: bool = False
+    """Skip groups whose rewards are all equal (DAPO dynamic sampling)."""
+    recompute_old_logprobs: bool = False
+    """pi_old (the PPO ratio's denominator, the TIS weight's numerator) from a separate no-grad forward before the step (true), or from the training forward itself, detached (false): the same values while each batch gets exactly one optimizer step, as here, for one forward less per step. Set true for a model with dropout."""
+    off_policy: OffPolicySection = OffPolicySection()
+    """How the behaviour policy's (vLLM's) logprobs correct the loss."""
+    kl: KLSection = KLSection()
+    """KL penalty to a frozen copy of the starting policy."""
+
+
+class CheckpointSection(Section):
+    every_n_steps: int = Field(0, ge=0)
+    """Save every N steps (0: only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+    hf_model: bool = True
+    """Also write an HF model directory (`model/`) into each checkpoint; off for big models (use `rlmesh export`)."""
