@@ -34,6 +34,9 @@ BENCHES = {
                                        r["needed_groups_per_s"], r["ratio"], ">= 10", "groups/s")]),
     "reward_throughput": ([], None),
     "async_vs_sync": ([], None),
+    "observability_overhead": ([], lambda r: [(f"everything observable on vs off (demo RL loop time, {r['steps']} steps, "
+                                               f"{len(r['runs']) // 2} seeds)", r["on_mean_s"], r["off_mean_s"],
+                                               r["ratio"], "<= 1.05", "s")]),
     "trl_vs_rlmesh": ([], None),
 }
 
