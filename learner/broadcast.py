@@ -1,5 +1,6 @@
 """Learner side of the weight push: (re)build the transfer group when membership changes, then
-pause -> start -> send + UpdateWeights -> finish -> verify -> resume on every generator. The bytes
+pause -> start -> send + UpdateWeights -> finish -> verify -> resume on every generator (one
+UpdateWeights call per generator carrying all of it, where every member says single_call_update). The bytes
 move through a transport `Sender` (gloo or NCCL); this module only drives the control plane: each
 group's rendezvous (prefix and secret, or NCCL id) goes out in InitWeightTransfer, and each worker's
 digest of what it received comes back in FinishWeightUpdate and is checked against what was sent.
@@ -65,6 +66,9 @@ class WeightBroadcaster:
         """The algorithm of this group's digests (and of last_digest)."""
         self.combined = False
         """Every member of this group pauses in StartWeightUpdate and resumes in FinishWeightUpdate."""
+        self.single_call = False
+        """Every member of this group takes a whole update (pause, start, receive, finish, resume) in one
+        UpdateWeights call: one control call per server per step."""
         self._fanout: asyncio.Semaphore | None = None
 
     def _bounded(self, call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
@@ -130,12 +134,15 @@ class WeightBroadcaster:
         # Pause and resume ride on Start and Finish where every member can (2 round trips fewer
         # per step: at a thousand servers, each round is a thousand calls).
         self.combined = all(r.combined_pause_resume for r in replies.values())
+        # ...and Start and Finish ride on UpdateWeights: 1 call per server per step instead of 3.
+        self.single_call = self.combined and all(r.single_call_update for r in replies.values())
         self.formed, self.members = True, members
         self.membership.changed = False
         for g in members:
             g.in_group = True
-        log.info("%s transfer group epoch %d formed: %d generator(s), world size %d, digest %s (%.1fs)",
-                 self.cfg.backend, self.epoch, len(members), world, self.digest_algorithm, time.monotonic() - t0)
+        log.info("%s transfer group epoch %d formed: %d generator(s), world size %d, digest %s, %d control call(s) "
+                 "per server per update (%.1fs)", self.cfg.backend, self.epoch, len(members), world,
+                 self.digest_algorithm, 1 if self.single_call else 3 if self.combined else 5, time.monotonic() - t0)
 
     def _agree_digest(self, replies: dict[str, Any]) -> str:
         """The configured algorithm if every member can digest with it, else sha256."""
@@ -177,20 +184,27 @@ class WeightBroadcaster:
             now = time.monotonic()
             phases[f"broadcast_{name}_s"], mark = now - mark, now
 
-        combined = self.combined
+        combined, single = self.combined, self.single_call
+        start = rollout_pb2.StartWeightUpdateRequest(version=version, group_epoch=epoch,
+                                                     pause_mode="keep" if combined else "")
+        finish = rollout_pb2.FinishWeightUpdateRequest(version=version, group_epoch=epoch, resume=combined)
         if not combined:
             await self._gather("PauseGeneration", each(lambda g: g.stub.PauseGeneration(
                 rollout_pb2.PauseGenerationRequest(mode="keep"), timeout=timeout)))
             lap("pause")
-        await self._gather("StartWeightUpdate", each(lambda g: g.stub.StartWeightUpdate(
-            rollout_pb2.StartWeightUpdateRequest(version=version, group_epoch=epoch,
-                                                 pause_mode="keep" if combined else ""), timeout=timeout)))
-        lap("start")
+        if not single:
+            await self._gather("StartWeightUpdate", each(lambda g: g.stub.StartWeightUpdate(start, timeout=timeout)))
+            lap("start")
         metas = source.metas()
-        specs = [rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas]
-        updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(
-            rollout_pb2.UpdateWeightsRequest(version=version, group_epoch=epoch, tensors=specs,
-                                             digest_algorithm=algorithm), timeout=timeout)) for g in members}
+        # One request for every member (nothing in it is per server). In a single-call group each
+        # server pauses and starts when its call arrives and waits in the collective for the rest,
+        # as it waited for the learner's UpdateWeights after its own StartWeightUpdate before.
+        request = rollout_pb2.UpdateWeightsRequest(
+            version=version, group_epoch=epoch, digest_algorithm=algorithm,
+            tensors=[rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas],
+            start=start if single else None, finish=finish if single else None)
+        updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
+                   for g in members}
         try:
             digest = await self.run_torch(lambda: self.transport.send(source.stream(), metas, algorithm))
         except Exception as err:
@@ -199,12 +213,14 @@ class WeightBroadcaster:
             self.formed = False
             raise BroadcastError(f"{self.cfg.backend} send failed: {err}") from err
         lap("send")
-        await self._gather("UpdateWeights", updates)
-        lap("load")  # receivers still loading the last bucket after the sender is done
-        finished = await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
-            rollout_pb2.FinishWeightUpdateRequest(version=version, group_epoch=epoch, resume=combined),
-            timeout=timeout)))
-        lap("finish")
+        replies = await self._gather("UpdateWeights", updates)
+        lap("load")  # receivers still loading the last bucket after the sender is done (and finishing, if single)
+        if single:
+            finished = {gid: reply.finished for gid, reply in replies.items()}
+        else:
+            finished = await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
+                finish, timeout=timeout)))
+            lap("finish")
         for g in members:
             g.busy_seconds = finished[g.generator_id].busy_seconds
         mismatch = self._verify(version, digest, finished) if self.transport.verifies else ""

@@ -86,6 +86,15 @@ class Controller:
         self.held_back: Arrivals = []
         self.max_staleness_seen = 0
         self.resumed_from: int | None = None
+        # The prompt top-up after a broadcast, running beside what follows (the next step's training);
+        # awaited before anything else issues, checkpoints or evaluates.
+        self.issuing: asyncio.Future | None = None
+
+    async def _issued(self) -> None:
+        """Wait for the background prompt top-up, if any (its failure is raised here)."""
+        issuing, self.issuing = self.issuing, None
+        if issuing is not None:
+            await issuing
 
     async def resume(self) -> None:
         """Continue from the newest durable checkpoint, if any: restore weights, optimizer, RNG,
@@ -128,6 +137,7 @@ class Controller:
 
     async def evaluate(self) -> dict:
         """Evaluate the current version and wait for it (and for rounds still open)."""
+        await self._issued()
         return await self.evaluator.run(self.version, self.held_back)
 
     # --- main loop -------------------------------------------------------------------------------
@@ -135,6 +145,7 @@ class Controller:
     async def _checkpoint(self) -> Path:
         from rlmesh.learner.train.checkpoint import save_checkpoint
 
+        await self._issued()  # the data cursor saved below covers only groups on the stream
         a = self.admission
         lr = self.config.learner
         state = {"trained_groups": sorted(a.trained_groups), "run_id": self.run_id, "train_cursor": self.issuer.cursor,
@@ -174,6 +185,7 @@ class Controller:
                     ready.append((e, g))
             if len(ready) >= self.B:
                 return ready
+            await self._issued()
             await self.issuer.issue_train(len(ready), self.version)
             arrivals = await self.reader.read(self.version)
 
@@ -201,8 +213,12 @@ class Controller:
             self.max_staleness_seen = max(self.max_staleness_seen, max(ages))
             t_step = time.monotonic()
             seqs = self.trainer.objective.sequences(groups)
-            train_metrics = await self._torch(self.trainer.step, seqs, learning_rate(cfg.learner, self.version))
-            train_s = time.monotonic() - t_step
+            step = asyncio.ensure_future(self._timed_step(seqs, learning_rate(cfg.learner, self.version)))
+            # While the torch thread trains, the event loop decodes and validates what arrives (and
+            # the prompt top-up started after the last broadcast runs): off the step's critical path.
+            await self.reader.admit_during(step, self.version, ready, self.held_back)
+            train_metrics, t_trained = await step
+            train_s = t_trained - t_step
             self.version += 1
             end_ns = time.time_ns()
             for g in groups:  # each group's trace ends with the step that trained it
@@ -216,8 +232,10 @@ class Controller:
             # Top the prompt stream up as soon as the new version is out, whatever comes next: a
             # step trained from groups already buffered (e.g. those held back during an evaluation)
             # would otherwise leave the rollout tier idle, and a checkpoint or evaluation would too.
+            # It runs in the background (a thousand groups take seconds to build and send): the
+            # budget is fixed when it starts, and whatever issues next waits for it first.
             if self.version < cfg.learner.num_steps:
-                await self.issuer.issue_train(len(ready), self.version)
+                self.issuing = asyncio.ensure_future(self.issuer.issue_train(len(ready), self.version))
             self._log_step(groups, ages, train_metrics, bc, train_s, t_last)
             t_last = time.monotonic()
             every = cfg.checkpoint.every_n_steps
@@ -232,6 +250,11 @@ class Controller:
         checkpoint = await self._checkpoint()
         # Groups still in flight when training ends were never trained on; leave them pending.
         return await self._summary(before, after, checkpoint)
+
+    async def _timed_step(self, seqs, lr: float) -> tuple[dict, float]:
+        """One optimizer step on the torch thread; its metrics and when it ended."""
+        metrics = await self._torch(self.trainer.step, seqs, lr)
+        return metrics, time.monotonic()
 
     def _log_step(self, groups, ages, train_metrics, bc, train_s, t_last) -> None:
         a = self.admission

@@ -10,8 +10,6 @@ issued, or one already back, is not this run's work and changes no count."""
 
 from __future__ import annotations
 
-import asyncio
-
 from google.protobuf.struct_pb2 import Struct
 
 from rlmesh.learner.data import Example, TrainData, in_order
@@ -19,9 +17,9 @@ from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import StreamQueue
 from rlmesh.services.telemetry import group_span
 
-PUBLISH_CONCURRENCY = 32
-"""Prompt groups `issue_train` publishes at once: each is a queue round trip, and a thousand in
-series (a step's worth at a thousand rollout servers) took seconds of the learner's step."""
+PUBLISH_BATCH = 256
+"""Prompt groups `issue_train` publishes in one queue round trip (a pipeline): one round trip each,
+a step's worth at a thousand rollout servers took seconds of the learner's step."""
 
 
 class PromptIssuer:
@@ -31,6 +29,8 @@ class PromptIssuer:
         self.group_size, self.B, self.k = group_size, groups_per_step, max_staleness
         # Issued and not back yet: group id -> (split, serialized PromptGroup).
         self.outstanding: dict[str, tuple[str, bytes]] = {}
+        # The same groups as messages, for `issued` (a thousand decodes a step saved).
+        self._issued_groups: dict[str, common_pb2.PromptGroup] = {}
         # Train groups issued by an earlier process (after a restart), known only by count, and
         # the run ids of those processes (their groups are recognised by the id's prefix).
         self.unknown_in_flight = 0
@@ -57,13 +57,18 @@ class PromptIssuer:
             group.sampling.temperature = 0.0
         return group
 
-    async def publish(self, group: common_pb2.PromptGroup) -> None:
+    def _record(self, group: common_pb2.PromptGroup) -> tuple[str, bytes]:
+        """`group` as outstanding, serialized, ready to publish."""
         # The group's trace starts here; its context rides on the message to every tier.
         with group_span("issue", group.group_id, carrier=group.trace_context, version=group.issued_at_version,
                         split=group.split):
             data = group.SerializeToString()
-            self.outstanding[group.group_id] = (group.split, data)
-            await self.prompts.publish(group.group_id, data)
+        self.outstanding[group.group_id] = (group.split, data)
+        self._issued_groups[group.group_id] = group
+        return group.group_id, data
+
+    async def publish(self, group: common_pb2.PromptGroup) -> None:
+        await self.prompts.publish(*self._record(group))
 
     async def issue_train(self, num_buffered: int, version: int) -> int:
         """Top the outstanding train groups (in flight + buffered) back up to the bound; returns
@@ -74,17 +79,17 @@ class PromptIssuer:
             ex = self.train_set.at(self.cursor)
             self.cursor += 1
             groups.append(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
-        for i in range(0, len(groups), PUBLISH_CONCURRENCY):
-            await asyncio.gather(*(self.publish(g) for g in groups[i:i + PUBLISH_CONCURRENCY]))
+        for i in range(0, len(groups), PUBLISH_BATCH):
+            await self.prompts.publish_many([self._record(g) for g in groups[i:i + PUBLISH_BATCH]])
         return budget
 
     def issued(self, group: common_pb2.TrajectoryGroup) -> common_pb2.PromptGroup | None:
         """The prompt group this run issued under `group`'s id, if it is still outstanding; for a
         group of an earlier process of this run (after a restart), its own prompt with the sample
         count that process issued. None for a group id this run did not issue or already got back."""
-        data = self.outstanding.get(group.group_id)
-        if data is not None:
-            return common_pb2.PromptGroup.FromString(data[1])
+        issued = self._issued_groups.get(group.group_id)
+        if issued is not None:
+            return issued
         run_id = group.group_id.split("/", 1)[0]
         if run_id in self.earlier_run_ids and group.prompt.split == "train" and group.group_id not in self._earlier_back:
             issued = common_pb2.PromptGroup()
@@ -100,6 +105,7 @@ class PromptIssuer:
 
     def returned(self, group_id: str) -> None:
         """A group came back (to be trained, dropped or not)."""
+        self._issued_groups.pop(group_id, None)
         if self.outstanding.pop(group_id, None) is None:
             self._earlier_back.add(group_id)
             self.unknown_in_flight = max(self.unknown_in_flight - 1, 0)

@@ -1,4 +1,9 @@
-"""Generator membership (register / heartbeat / expire) and the LearnerService servicer."""
+"""Generator membership (register / heartbeat / expire) and the LearnerService servicer.
+
+Heartbeats are paced by the learner: each reply says when to send the next one, at most
+HEARTBEATS_PER_S in all, so a thousand rollout servers beat every 10 s rather than 500 times a
+second on the learner's event loop; a generator expires after `expire_after_s` or three of the
+intervals it was told, whichever is longer."""
 
 from __future__ import annotations
 
@@ -15,6 +20,11 @@ from rlmesh.services.grpc_client import make_channel
 
 log = logging.getLogger(__name__)
 
+MIN_HEARTBEAT_S = 2.0
+"""Heartbeat interval of a small mesh (and of a rollout server before its first reply)."""
+HEARTBEATS_PER_S = 100.0
+"""Most heartbeats a second the learner asks for from all rollout servers together."""
+
 
 @dataclass
 class Generator:
@@ -28,6 +38,7 @@ class Generator:
     in_group: bool = False
     rank_offset: int = 0
     busy_seconds: float = 0.0  # the generator's engine-busy clock, as of the last weight update
+    heartbeat_interval_s: float = MIN_HEARTBEAT_S  # what the learner last told it
 
 
 class Membership:
@@ -65,7 +76,13 @@ class Membership:
             return False
         # A heartbeat sent before a broadcast may land after it: never move a version backwards here.
         gen.last_seen, gen.version = time.monotonic(), max(gen.version, version)
+        gen.heartbeat_interval_s = self.heartbeat_interval_s()
         return True
+
+    def heartbeat_interval_s(self) -> float:
+        """Seconds between one rollout server's heartbeats: HEARTBEATS_PER_S in all, never more often
+        than every MIN_HEARTBEAT_S."""
+        return max(MIN_HEARTBEAT_S, len(self.generators) / HEARTBEATS_PER_S)
 
     def out_of_date(self, version: int) -> list[Generator]:
         """Generators that hold weights other than `version` (joined late, or outlived a learner restart)."""
@@ -74,7 +91,7 @@ class Membership:
     def expire(self) -> None:
         now = time.monotonic()
         for gen in list(self.generators.values()):
-            if now - gen.last_seen > self._expire_after_s:
+            if now - gen.last_seen > max(self._expire_after_s, 3 * gen.heartbeat_interval_s):
                 self.remove(gen.generator_id, f"no heartbeat for {now - gen.last_seen:.0f}s")
 
 
@@ -95,7 +112,8 @@ class LearnerService(learner_pb2_grpc.LearnerServiceServicer):
 
     async def Heartbeat(self, request, context):
         known = self.membership.heartbeat(request.generator_id, request.version)
-        return learner_pb2.HeartbeatResponse(version=self._version(), registered=known)
+        return learner_pb2.HeartbeatResponse(version=self._version(), registered=known,
+                                             heartbeat_interval_s=self.membership.heartbeat_interval_s())
 
     async def GetStatus(self, request, context):
         return self._status()

@@ -1,10 +1,13 @@
 """The trajectory stream as the learner reads it, for training and evaluation alike: each read
 first brings out-of-date generators to the learner's weights (they serve nothing until then),
 checks that the queue server still holds this run's data (re-issuing every outstanding prompt
-group if it lost it), decodes what arrived and says so in the log when nothing has for a while."""
+group if it lost it), decodes what arrived and says so in the log when nothing has for a while.
+While a training step runs, `admit_during` reads and admits what arrives, so that decoding and
+validating a step's worth of groups is not on the step's critical path."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONSUMER = "learner"  # the learner's consumer name in the trajectory stream's consumer group
+DURING_STEP_BLOCK_MS = 20
+"""How long one read in `admit_during` waits for arrivals: the step's end is noticed within it."""
 
 
 async def mark_queues(prompts: StreamQueue, trajectories: StreamQueue, run_id: str) -> None:
@@ -58,6 +63,7 @@ class TrajectoryReader:
             self._last_queue_check = time.monotonic()
             await self._check_queue(version)
         entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
+        out = await self._decode(entries)
         now = time.monotonic()
         if entries:
             self._last_arrival = now
@@ -67,6 +73,9 @@ class TrajectoryReader:
             gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
             log.warning("no trajectories for %.0fs: %d groups in flight, prompt stream %d unacked (%d undelivered), "
                         "generators: %s", now - self._last_arrival, self.issuer.in_flight, depth.length, depth.lag, gens)
+        return out
+
+    async def _decode(self, entries) -> Arrivals:
         out = []
         for entry in entries:
             try:
@@ -74,6 +83,23 @@ class TrajectoryReader:
             except DecodeError as err:
                 await self.admission.drop_undecodable(entry, err)
         return out
+
+    async def admit_during(self, busy: asyncio.Future, version: int, ready: Arrivals, held_back: Arrivals) -> None:
+        """Until `busy` (a training step at learner `version`) is done: admit arriving train groups
+        into `ready` at `version`, and keep the others (evaluation rounds) in `held_back` for the
+        next fill. The caller re-checks staleness once the version moves on, as for any leftover.
+        No catch-up broadcast starts here (it would wait for the step, with servers paused), and a
+        read is never cancelled: it returns within DURING_STEP_BLOCK_MS of the step's end; what it
+        brings after the step's end goes to `held_back` unadmitted (the next fill admits it)."""
+        while not busy.done():
+            entries = await self.trajectories.read(CONSUMER, count=256, block_ms=DURING_STEP_BLOCK_MS)
+            if entries:
+                self._last_arrival = time.monotonic()
+            for entry, group in await self._decode(entries):
+                if group.prompt.split != "train" or busy.done():
+                    held_back.append((entry, group))
+                elif await self.admission.accept(entry, group, version):
+                    ready.append((entry, group))
 
     async def replay_pending(self) -> Arrivals:
         """This consumer's entries delivered before a restart and never acked (an undecodable one is

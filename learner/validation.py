@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from rlmesh.v1 import common_pb2
 
 # vLLM's logprobs are <= 0; a little room for a rounding error in a log-softmax.
@@ -32,9 +34,21 @@ class Bounds:
     """Prompt plus completion tokens of one sample (the model's positions, at least the rollout context)."""
 
 
+# The element checks run over numpy arrays: a thousand groups of 2,048 tokens a step, checked one
+# Python element at a time, took the learner ~0.6 ms a group.
+
+
 def _token_problem(ids, vocab_size: int, what: str) -> str:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    return "" if bad is None else f"{what} token id {bad} outside the vocabulary [0, {vocab_size})"
+    ids_N = np.array(ids, dtype=np.int64)
+    bad = np.flatnonzero((ids_N < 0) | (ids_N >= vocab_size))
+    return f"{what} token id {ids_N[bad[0]]} outside the vocabulary [0, {vocab_size})" if bad.size else ""
+
+
+def _bad_logprob(logprobs) -> float | None:
+    """The first logprob that is not finite and <= 0 (within LOGPROB_TOLERANCE), or None."""
+    logprobs_N = np.array(logprobs, dtype=np.float64)
+    bad = np.flatnonzero(~(np.isfinite(logprobs_N) & (logprobs_N <= LOGPROB_TOLERANCE)))
+    return float(logprobs_N[bad[0]]) if bad.size else None
 
 
 def sample_problems(sample: common_pb2.Sample, num_prompt_tokens: int, version: int, issued_at: int,
@@ -49,7 +63,7 @@ def sample_problems(sample: common_pb2.Sample, num_prompt_tokens: int, version: 
         return f"{where}: {num_prompt_tokens} + {len(ids)} tokens exceed the context length {bounds.max_seq_len}"
     if problem := _token_problem(ids, bounds.vocab_size, where):
         return problem
-    bad = next((lp for lp in logprobs if not (math.isfinite(lp) and lp <= LOGPROB_TOLERANCE)), None)
+    bad = _bad_logprob(logprobs)
     if bad is not None:
         return f"{where}: logprob {bad} is not finite and <= 0"
     rewards = {"reward": sample.reward, **{f"component {k!r}": v for k, v in sample.reward_components.items()}}

@@ -27,7 +27,7 @@ from rlmesh.services.telemetry import setup_logging
 from rlmesh.services.weights.base import build_receiver
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 2.0  # until the learner's first heartbeat reply sets the interval (HeartbeatResponse.heartbeat_interval_s)
 # Under mutual TLS only the learner may move this server's weights or pause it: every method but
 # Generate and GetStatus (new weight-plane methods included) is the learner's.
 POLICY = Policy({"Generate": ANY, "GetStatus": ANY}, default=frozenset({"learner"}))
@@ -43,10 +43,10 @@ def model_path(config: RunConfig) -> str:
 
 async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_id: str, address: str,
                           worker: RolloutWorker, generator: VLLMGenerator, log: logging.Logger) -> None:
-    registered = False
+    registered, interval_s = False, HEARTBEAT_S
 
     async def register_or_beat() -> None:
-        nonlocal registered
+        nonlocal registered, interval_s
         if not registered:
             if await generator.recover_from_lost_learner():
                 worker.ready.clear()
@@ -64,6 +64,7 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
         else:
             hb = await stub.Heartbeat(learner_pb2.HeartbeatRequest(
                 generator_id=generator_id, version=generator.version, num_inflight_groups=worker.num_inflight))
+            interval_s = hb.heartbeat_interval_s or HEARTBEAT_S  # 0: a learner that predates the field
             if not hb.registered:
                 log.warning("learner no longer knows %s; registering again", generator_id)
                 registered = False
@@ -72,7 +73,7 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
         await retry(register_or_beat, what="learner unreachable", retry_on=grpc.aio.AioRpcError,
                     backoff=LEARNER_UNREACHABLE, describe=rpc_problem, log=log)
         if registered:  # one that the learner forgot registers again at once
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(interval_s)
 
 
 class EngineDeadError(RuntimeError):

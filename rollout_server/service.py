@@ -69,7 +69,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         await self.generator.init_weight_transfer(init_info, request.group_epoch)
         return rollout_pb2.InitWeightTransferResponse(
-            digest_algorithms=getattr(self.receiver, "digest_algorithms", ()), combined_pause_resume=True)
+            digest_algorithms=getattr(self.receiver, "digest_algorithms", ()), combined_pause_resume=True,
+            single_call_update=True)
 
     async def StartWeightUpdate(self, request, context):
         if request.pause_mode:  # the learner's PauseGeneration, folded into this call
@@ -84,9 +85,14 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             update_info = self.receiver.update_info(request)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if request.HasField("start"):  # the learner's StartWeightUpdate, folded into this call
+            await self.StartWeightUpdate(request.start, context)
         self.digest_algorithm = request.digest_algorithm or "sha256"
         await self.generator.update_weights(update_info)
-        return rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
+        reply = rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
+        if request.HasField("finish"):  # and its FinishWeightUpdate
+            reply.finished.CopyFrom(await self.FinishWeightUpdate(request.finish, context))
+        return reply
 
     async def FinishWeightUpdate(self, request, context):
         await self.generator.finish_weight_update(request.version)

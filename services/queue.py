@@ -221,6 +221,26 @@ class StreamQueue:
             await asyncio.sleep(_FULL_WAIT.delay(attempt))
             attempt += 1
 
+    async def publish_many(self, items: list[tuple[str, bytes]], *, wait_timeout_s: float | None = None) -> int:
+        """`publish` for each (key, data), in one round trip to the queue server; those the stream had
+        no room for are then published one by one, waiting as `publish` does. Returns how many were
+        appended (a key published before is dropped, as by `publish`)."""
+        if not items:
+            return 0
+
+        async def op() -> list:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key, data in items:
+                    await self._publish(keys=[self.stream, self._seen_key], args=[key, data, self.max_len], client=pipe)
+                return await pipe.execute()
+
+        results = await self._call("publish", op)
+        appended = sum(1 for r in results if r not in (0, -1))
+        for (key, data), result in zip(items, results):
+            if result == -1 and await self.publish(key, data, wait_timeout_s=wait_timeout_s) is not None:
+                appended += 1
+        return appended
+
     async def read(self, consumer: str, *, count: int = 16, block_ms: int | None = 1000) -> list[Entry]:
         """New entries for `consumer` (they stay pending on it until acked)."""
         reply = await self._call("read", lambda: self.client.xreadgroup(

@@ -87,6 +87,23 @@ async def test_full_stream_applies_backpressure_and_trims_nothing(valkey_url):
     assert [e.key for e in remaining] == ["k1", "k2", "k3"], "unread entries were never trimmed"
 
 
+async def test_publish_many_is_one_round_trip_with_publishs_guarantees(valkey_url):
+    q = _queue(valkey_url, f"test:{uuid.uuid4().hex}", max_len=4)
+    await q.ensure_group()
+    assert await q.publish("k0", b"0") is not None
+    # k0 again is dropped by key; k4 finds the stream full (4) and waits until a consumer acks.
+    items = [(f"k{i}", str(i).encode()) for i in (0, 1, 2, 3, 4)]
+    publishing = asyncio.create_task(q.publish_many(items, wait_timeout_s=10))
+    await asyncio.sleep(0.3)
+    assert not publishing.done()
+    first = (await q.read("c", count=1, block_ms=100))[0]
+    await q.ack(first.id)
+    assert await asyncio.wait_for(publishing, 5) == 4
+    rest = await q.read("c", count=10, block_ms=100)
+    assert [(e.key, e.data) for e in [first, *rest]] == [(f"k{i}", str(i).encode()) for i in range(5)]
+    assert await q.publish_many([("k2", b"2")]) == 0 and await q.publish_many([]) == 0
+
+
 async def test_restarted_consumer_replays_its_own_pending(valkey_url):
     q = _queue(valkey_url, f"test:{uuid.uuid4().hex}")
     await q.ensure_group()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/learner.proto\x12\trlmesh.v1\"g\n\x18RegisterGeneratorRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\x8e\x01\n\x10WeightRendezvous\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x13\n\x0brank_offset\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x13\n\x0bgroup_epoch\x18\x06 \x01(\x03\"m\n\x19RegisterGeneratorResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12/\n\nrendezvous\x18\x03 \x01(\x0b\x32\x1b.rlmesh.v1.WeightRendezvous\")\n\x11\x44\x65registerRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"V\n\x10HeartbeatRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x1b\n\x13num_inflight_groups\x18\x03 \x01(\x05\"8\n\x11HeartbeatResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nregistered\x18\x02 \x01(\x08\"z\n\rGeneratorInfo\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x10\n\x08in_group\x18\x04 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\"\x16\n\x14LearnerStatusRequest\"\xe8\x01\n\x15LearnerStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x1a\n\x12prompt_queue_depth\x18\x04 \x01(\x03\x12\x1e\n\x16trajectory_queue_depth\x18\x05 \x01(\x03\x12\x1b\n\x13num_inflight_groups\x18\x06 \x01(\x03\x12,\n\ngenerators\x18\x07 \x03(\x0b\x32\x18.rlmesh.v1.GeneratorInfo\x12\x19\n\x11num_dropped_stale\x18\x08 \x01(\x03\x32\xd3\x02\n\x0eLearnerService\x12^\n\x11RegisterGenerator\x12#.rlmesh.v1.RegisterGeneratorRequest\x1a$.rlmesh.v1.RegisterGeneratorResponse\x12I\n\nDeregister\x12\x1c.rlmesh.v1.DeregisterRequest\x1a\x1d.rlmesh.v1.DeregisterResponse\x12\x46\n\tHeartbeat\x12\x1b.rlmesh.v1.HeartbeatRequest\x1a\x1c.rlmesh.v1.HeartbeatResponse\x12N\n\tGetStatus\x12\x1f.rlmesh.v1.LearnerStatusRequest\x1a .rlmesh.v1.LearnerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/learner.proto\x12\trlmesh.v1\"g\n\x18RegisterGeneratorRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\x8e\x01\n\x10WeightRendezvous\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x13\n\x0brank_offset\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x13\n\x0bgroup_epoch\x18\x06 \x01(\x03\"m\n\x19RegisterGeneratorResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12/\n\nrendezvous\x18\x03 \x01(\x0b\x32\x1b.rlmesh.v1.WeightRendezvous\")\n\x11\x44\x65registerRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"V\n\x10HeartbeatRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x1b\n\x13num_inflight_groups\x18\x03 \x01(\x05\"V\n\x11HeartbeatResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"z\n\rGeneratorInfo\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x10\n\x08in_group\x18\x04 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\"\x16\n\x14LearnerStatusRequest\"\xe8\x01\n\x15LearnerStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x1a\n\x12prompt_queue_depth\x18\x04 \x01(\x03\x12\x1e\n\x16trajectory_queue_depth\x18\x05 \x01(\x03\x12\x1b\n\x13num_inflight_groups\x18\x06 \x01(\x03\x12,\n\ngenerators\x18\x07 \x03(\x0b\x32\x18.rlmesh.v1.GeneratorInfo\x12\x19\n\x11num_dropped_stale\x18\x08 \x01(\x03\x32\xd3\x02\n\x0eLearnerService\x12^\n\x11RegisterGenerator\x12#.rlmesh.v1.RegisterGeneratorRequest\x1a$.rlmesh.v1.RegisterGeneratorResponse\x12I\n\nDeregister\x12\x1c.rlmesh.v1.DeregisterRequest\x1a\x1d.rlmesh.v1.DeregisterResponse\x12\x46\n\tHeartbeat\x12\x1b.rlmesh.v1.HeartbeatRequest\x1a\x1c.rlmesh.v1.HeartbeatResponse\x12N\n\tGetStatus\x12\x1f.rlmesh.v1.LearnerStatusRequest\x1a .rlmesh.v1.LearnerStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,13 +44,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=464
   _globals['_HEARTBEATREQUEST']._serialized_end=550
   _globals['_HEARTBEATRESPONSE']._serialized_start=552
-  _globals['_HEARTBEATRESPONSE']._serialized_end=608
-  _globals['_GENERATORINFO']._serialized_start=610
-  _globals['_GENERATORINFO']._serialized_end=732
-  _globals['_LEARNERSTATUSREQUEST']._serialized_start=734
-  _globals['_LEARNERSTATUSREQUEST']._serialized_end=756
-  _globals['_LEARNERSTATUSRESPONSE']._serialized_start=759
-  _globals['_LEARNERSTATUSRESPONSE']._serialized_end=991
-  _globals['_LEARNERSERVICE']._serialized_start=994
-  _globals['_LEARNERSERVICE']._serialized_end=1333
+  _globals['_HEARTBEATRESPONSE']._serialized_end=638
+  _globals['_GENERATORINFO']._serialized_start=640
+  _globals['_GENERATORINFO']._serialized_end=762
+  _globals['_LEARNERSTATUSREQUEST']._serialized_start=764
+  _globals['_LEARNERSTATUSREQUEST']._serialized_end=786
+  _globals['_LEARNERSTATUSRESPONSE']._serialized_start=789
+  _globals['_LEARNERSTATUSRESPONSE']._serialized_end=1021
+  _globals['_LEARNERSERVICE']._serialized_start=1024
+  _globals['_LEARNERSERVICE']._serialized_end=1363
 # @@protoc_insertion_point(module_scope)

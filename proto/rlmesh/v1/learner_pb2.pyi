@@ -65,12 +65,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., num_inflight_groups: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("version", "registered")
+    __slots__ = ("version", "registered", "heartbeat_interval_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     registered: bool
-    def __init__(self, version: _Optional[int] = ..., registered: _Optional[bool] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, version: _Optional[int] = ..., registered: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class GeneratorInfo(_message.Message):
     __slots__ = ("generator_id", "address", "version", "in_group", "seconds_since_heartbeat")

@@ -46,12 +46,14 @@ class InitWeightTransferRequest(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_prefix: _Optional[str] = ..., group_secret: _Optional[bytes] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
 
 class InitWeightTransferResponse(_message.Message):
-    __slots__ = ("digest_algorithms", "combined_pause_resume")
+    __slots__ = ("digest_algorithms", "combined_pause_resume", "single_call_update")
     DIGEST_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     COMBINED_PAUSE_RESUME_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_CALL_UPDATE_FIELD_NUMBER: _ClassVar[int]
     digest_algorithms: _containers.RepeatedScalarFieldContainer[str]
     combined_pause_resume: bool
-    def __init__(self, digest_algorithms: _Optional[_Iterable[str]] = ..., combined_pause_resume: _Optional[bool] = ...) -> None: ...
+    single_call_update: bool
+    def __init__(self, digest_algorithms: _Optional[_Iterable[str]] = ..., combined_pause_resume: _Optional[bool] = ..., single_call_update: _Optional[bool] = ...) -> None: ...
 
 class StartWeightUpdateRequest(_message.Message):
     __slots__ = ("version", "group_epoch", "pause_mode")
@@ -78,22 +80,28 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "group_epoch", "tensors", "digest_algorithm")
+    __slots__ = ("version", "group_epoch", "tensors", "digest_algorithm", "start", "finish")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
     version: int
     group_epoch: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     digest_algorithm: str
-    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., digest_algorithm: _Optional[str] = ...) -> None: ...
+    start: StartWeightUpdateRequest
+    finish: FinishWeightUpdateRequest
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., digest_algorithm: _Optional[str] = ..., start: _Optional[_Union[StartWeightUpdateRequest, _Mapping]] = ..., finish: _Optional[_Union[FinishWeightUpdateRequest, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("num_tensors",)
+    __slots__ = ("num_tensors", "finished")
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     num_tensors: int
-    def __init__(self, num_tensors: _Optional[int] = ...) -> None: ...
+    finished: FinishWeightUpdateResponse
+    def __init__(self, num_tensors: _Optional[int] = ..., finished: _Optional[_Union[FinishWeightUpdateResponse, _Mapping]] = ...) -> None: ...
 
 class FinishWeightUpdateRequest(_message.Message):
     __slots__ = ("version", "group_epoch", "resume")

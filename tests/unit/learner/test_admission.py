@@ -19,6 +19,9 @@ class FakeQueue:
         self.published.append(key)
         return key
 
+    async def publish_many(self, items, **_):
+        return len([await self.publish(key, data) for key, data in items])
+
     async def ack(self, *ids):
         self.acked.extend(ids)
         return len(ids)

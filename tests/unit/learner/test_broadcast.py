@@ -76,11 +76,46 @@ class OlderRolloutService(RolloutService):
         return reply
 
 
+class CountingRolloutService(RolloutService):
+    """Today's rollout server, counting the control calls it is sent; `single_call=False` answers
+    as one from before single_call_update (it pauses in Start and resumes in Finish, one call each)."""
+
+    single_call = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: list[str] = []
+        self._inside_update = None
+
+    async def InitWeightTransfer(self, request, context):
+        reply = await super().InitWeightTransfer(request, context)
+        reply.single_call_update = reply.single_call_update and self.single_call
+        return reply
+
+    async def StartWeightUpdate(self, request, context):
+        self.received.append("start" if context is not self._inside_update else "(start)")
+        return await super().StartWeightUpdate(request, context)
+
+    async def UpdateWeights(self, request, context):
+        self.received.append("update")
+        self._inside_update = context  # Start and Finish called from inside UpdateWeights are no RPCs of their own
+        return await super().UpdateWeights(request, context)
+
+    async def FinishWeightUpdate(self, request, context):
+        self.received.append("finish" if context is not self._inside_update else "(finish)")
+        return await super().FinishWeightUpdate(request, context)
+
+
+class ThreeCallRolloutService(CountingRolloutService):
+    single_call = False
+
+
 async def _plane(engine: StandInEngine, service_cls=RolloutService):
     cfg = WeightSyncSection(backend="gloo", timeout_s=20)
     service = service_cls(engine, "gen", build_receiver(cfg))
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service,
                                   "rlmesh.v1.RolloutService")], port=0)
+    server.rollout_service = service
     membership = Membership(token=None, rpc_timeout_s=20)
     membership.register("gen", f"127.0.0.1:{server.port}", num_workers=1)
     broadcaster = WeightBroadcaster(membership, cfg, build_sender(cfg), lambda fn, *a: asyncio.to_thread(fn, *a))
@@ -107,6 +142,28 @@ async def test_the_learner_verifies_the_digest_each_worker_reports_over_grpc():
         # Paused in StartWeightUpdate and resumed in FinishWeightUpdate: 3 calls a server a step.
         assert broadcaster.combined and engine.calls == ["pause keep", "resume"] * 2
         assert "broadcast_pause_s" not in metrics and "broadcast_resume_s" not in metrics
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("service_cls,calls_per_update", [(CountingRolloutService, 1), (ThreeCallRolloutService, 3)])
+async def test_an_update_is_one_control_call_per_server_where_every_member_takes_it(service_cls, calls_per_update):
+    engine = StandInEngine()
+    server, _, broadcaster = await _plane(engine, service_cls)
+    try:
+        for version in (1, 2):
+            named = _named(version)
+            metrics = await broadcaster.broadcast(version, WeightSource.of(named))
+            # The same weights arrive, verified, paused and resumed around them, whatever the call shape.
+            assert broadcaster.verified_versions[-1] == version and engine.version == version
+            assert broadcaster.last_digest == weights_digest(named, algorithm="blake3")
+            assert all(torch.equal(engine.weights[n], t) for n, t in named)
+        assert engine.calls == ["pause keep", "resume"] * 2
+        assert broadcaster.single_call == (calls_per_update == 1)
+        received = server.rollout_service.received
+        one_call = ["update", "(start)", "(finish)"]
+        assert received == (one_call * 2 if calls_per_update == 1 else ["start", "update", "finish"] * 2)
+        assert ("broadcast_finish_s" in metrics) == (calls_per_update == 3)
     finally:
         await server.stop(0)
 
