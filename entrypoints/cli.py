@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     rollout.add_argument("--generator-id", default=None, help="name in the learner's membership (default: host:port)")
     rollout.add_argument("--advertise-host", default=None, help="host the learner dials (default: network.host)")
+    rollout.add_argument("--placeholder-model", default=None, metavar="DIR",
+                         help="load this model instead of model.path and serve nothing until the learner's first "
+                              "weights arrive (rlmesh up: the model before the SFT warm start, while SFT runs)")
 
     reward = sub.add_parser("reward", help="run a reward server (environments)")
     _add_config_args(reward)

@@ -204,15 +204,19 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     resolved = config.model_copy(deep=True)
     _pass_secrets(mesh, config, resolved, run_dir)
 
-    # Model preparation (tiny model, SFT warm start) happens once, before any service loads it.
+    # Model preparation (tiny model, SFT warm start) runs first, beside everything that does not
+    # need its result: the reward server, and (with SFT) the rollout servers on the model from
+    # before SFT, whose weights the learner replaces with its version 0 before they serve anything.
+    prep, placeholder = None, None
     if config.model.type == "tiny" or config.sft.num_steps > 0:
         model_dir = run_dir / "sft_model" if config.sft.num_steps > 0 else run_dir / "init_model"
         cmd = "sft" if config.sft.num_steps > 0 else "tiny-model"
         print(f"rlmesh up: preparing the policy ({cmd} -> {model_dir.name})", flush=True)
         prep = mesh.spawn(cmd, [cmd, "-c", str(run_dir / "config.yaml"), "--output", str(model_dir)])
-        if prep.proc.wait() != 0:
-            raise SystemExit(f"rlmesh up: {cmd} failed (exit {prep.proc.returncode}); last lines of {prep.log_path}:\n{prep.tail()}")
         resolved.model = HFModelSection(path=str(model_dir))
+        if cmd == "sft" and not config.learner.lora.rank:  # an adapter broadcast would leave the base pre-SFT
+            # The SFT process writes the tiny initial model there before it trains (renamed into place).
+            placeholder = str(run_dir / "init_model") if config.model.type == "tiny" else config.model.path
 
     learner_port, reward_port = free_port(), free_port()
     host = config.network.host
@@ -234,14 +238,43 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     # Serving before the main reward server registers them, so it learns what they serve.
     _wait_serving(mesh, config.network, {f"env-{n}": p for n, p in env_ports.items()})
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
+
+    def spawn_rollouts(extra: list[str]) -> None:
+        for i in range(config.rollout.num_servers):
+            mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}", *extra])
+
+    if placeholder is not None:
+        if config.model.type == "tiny":
+            _wait_prepared(mesh, prep, config, lambda: Path(placeholder).exists(), f"writing {placeholder}")
+        spawn_rollouts(["--placeholder-model", placeholder])
+    if prep is not None:
+        _wait_prepared(mesh, prep, config, lambda: prep.proc.poll() == 0, "the policy")
     learner = mesh.spawn("learner", ["learner", *base, "--run-dir", str(run_dir), "--port", str(learner_port)],
                          launcher=torchrun_args(config))
-    for i in range(config.rollout.num_servers):
-        mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}"])
+    if placeholder is None:
+        spawn_rollouts([])
 
     _wait_serving(mesh, config.network, {"reward": reward_port, "learner": learner_port})
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
     return _watch(mesh, learner, config, run_dir, on_row)
+
+
+def _wait_prepared(mesh: Mesh, prep: Service, config: RunConfig, done: Callable[[], bool], what: str) -> None:
+    """Wait for the model preparation to get as far as `done` says, supervising the services already
+    started meanwhile (restarts; one out of restarts fails the launch, named)."""
+    while not done():
+        code = prep.proc.poll()
+        if code not in (None, 0):
+            raise SystemExit(f"rlmesh up: {prep.name} failed (exit {code}); last lines of {prep.log_path}:\n"
+                             f"{prep.tail()}")
+        if code == 0 and not done():
+            raise SystemExit(f"rlmesh up: {prep.name} finished without {what}; see {prep.log_path}")
+        bad = _supervise(mesh, None, config.run.max_restarts)
+        if bad is not None:
+            raise SystemExit(f"rlmesh up: service '{bad.name}' exited with code {bad.proc.returncode} after "
+                             f"{bad.restarts} restart(s) while {prep.name} ran (run.max_restarts="
+                             f"{config.run.max_restarts}). Last lines of {bad.log_path}:\n{bad.tail()}")
+        time.sleep(0.1)
 
 
 def _pass_secrets(mesh: Mesh, config: RunConfig, resolved: RunConfig, run_dir: Path) -> None:
@@ -301,7 +334,7 @@ def torchrun_args(config: RunConfig) -> list[str] | None:
             f"--max-restarts={config.learner.max_restarts}", "--monitor-interval=1"]
 
 
-def _supervise(mesh: Mesh, learner: Service, max_restarts: int) -> Service | None:
+def _supervise(mesh: Mesh, learner: Service | None, max_restarts: int) -> Service | None:
     """Restart crashed services with backoff; the service that ran out of restarts, if any."""
     now = time.monotonic()
     for svc in mesh.services:

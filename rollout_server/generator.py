@@ -4,6 +4,7 @@ logprobs and the policy versions each sample spans, and applies in-place weight 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -80,11 +81,14 @@ class BusyClock:
 
 class VLLMGenerator:
     def __init__(self, model_path: str, cfg: RolloutSection, seed: int, weight_backend: str,
-                 adapter: ServedAdapter | None = None) -> None:
+                 adapter: ServedAdapter | None = None, *, placeholder: bool = False) -> None:
         self.model_path, self.cfg, self.seed, self.weight_backend = model_path, cfg, seed, weight_backend
         # learner.lora: the base model plus the learner's adapter, a new one per version (rollout_server.lora).
         self.adapter = adapter
-        self.version = 0
+        # Placeholder weights (`rlmesh up` loads the model from before the SFT warm start while SFT
+        # runs) are no version of the learner's: version -1 until its first update, and nothing is served.
+        self.placeholder = placeholder
+        self.version = -1 if placeholder else 0
         self.group_epoch = -1
         self.paused = False
         self.update_active = False
@@ -95,6 +99,7 @@ class VLLMGenerator:
         self.stat_loggers: list = []  # vLLM stat loggers (`rlmesh.rollout_server.prom`, when metrics are on)
         self.engine = None
         self.tokenizer = None
+        self._warm_up: asyncio.Task | None = None
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -122,6 +127,41 @@ class VLLMGenerator:
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers or None)
         log.info("vLLM engine ready in %.1fs (model %s)", time.monotonic() - t0, self.model_path)
+
+    def start_warm_up(self) -> None:
+        """Warm up in the background until the first weight update (which stops it)."""
+        self._warm_up = asyncio.create_task(self.warm_up(), name="warm-up")
+
+    async def _stop_warm_up(self) -> None:
+        task, self._warm_up = self._warm_up, None
+        if task is not None and not task.done():
+            task.cancel()  # vLLM aborts the requests of a cancelled generate()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def warm_up(self, num_prompts: int = 8, n: int = 8) -> None:
+        """Generate a throw-away batch, so that the first real one (the learner's evaluation of
+        version 0) does not pay the kernels' first-call costs. Only on placeholder weights: nothing
+        sampled here is kept, it runs while `rlmesh up` is still fine-tuning, and the learner's first
+        weight update cancels it rather than wait for it."""
+        from vllm import SamplingParams
+
+        t0 = time.monotonic()
+        vocab = len(self.tokenizer)
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=min(self.cfg.max_tokens, 16), logprobs=0,
+                                ignore_eos=True, seed=0)
+
+        async def one(i: int) -> None:
+            prompt = [(17 * i + 31 * j) % vocab for j in range(24)]
+            async for _ in self.engine.generate({"prompt_token_ids": prompt}, params, f"warm-up-{i}"):
+                pass
+
+        try:
+            await asyncio.gather(*(one(i) for i in range(num_prompts * n)))
+        except asyncio.CancelledError:
+            log.info("warm-up stopped after %.1fs: the learner's weights are arriving", time.monotonic() - t0)
+            raise
+        log.info("warmed up on the placeholder weights in %.1fs", time.monotonic() - t0)
 
     def prompt_token_ids(self, group: common_pb2.PromptGroup) -> list[int]:
         if group.messages and group.prompt_tokens.token_ids:
@@ -203,6 +243,7 @@ class VLLMGenerator:
         """Join a (new) broadcast group, first closing any update a previous learner left open."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        await self._stop_warm_up()
         if self.update_active:
             log.warning("a weight update was left open by a previous broadcast group; closing it")
             await self.recover_from_lost_learner()
@@ -210,6 +251,7 @@ class VLLMGenerator:
         self.group_epoch = group_epoch
 
     async def start_weight_update(self) -> None:
+        await self._stop_warm_up()
         await self.engine.start_weight_update()
         self.update_active = True
 
@@ -232,7 +274,7 @@ class VLLMGenerator:
         self.update_active = False
         if self.adapter:
             self.adapter.switch(version)
-        self.version = version
+        self.version, self.placeholder = version, False
 
     async def recover_from_lost_learner(self) -> bool:
         """A learner that died mid-update leaves the engine paused and possibly half-loaded. Close

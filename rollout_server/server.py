@@ -32,6 +32,9 @@ HEARTBEAT_S = 2.0  # until the learner's first heartbeat reply sets the interval
 # Generate and GetStatus (new weight-plane methods included) is the learner's.
 POLICY = Policy({"Generate": ANY, "GetStatus": ANY}, default=frozenset({"learner"}))
 LEARNER_UNREACHABLE = Backoff(0.5, 10.0)
+# Before the first registration the learner may simply not be up yet (`rlmesh up` starts it after
+# SFT, this server before): ask every second at most, so it is found within a second of serving.
+LEARNER_STARTING = Backoff(0.25, 1.0)
 
 
 def model_path(config: RunConfig) -> str:
@@ -69,9 +72,12 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
                 log.warning("learner no longer knows %s; registering again", generator_id)
                 registered = False
 
+    ever_registered = False
     while True:
         await retry(register_or_beat, what="learner unreachable", retry_on=grpc.aio.AioRpcError,
-                    backoff=LEARNER_UNREACHABLE, describe=rpc_problem, log=log)
+                    backoff=LEARNER_UNREACHABLE if ever_registered else LEARNER_STARTING,
+                    log_every_s=0.0 if ever_registered else 10.0, describe=rpc_problem, log=log)
+        ever_registered = ever_registered or registered
         if registered:  # one that the learner forgot registers again at once
             await asyncio.sleep(interval_s)
 
@@ -112,12 +118,19 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
         from rlmesh.rollout_server.lora import ServedAdapter
 
         adapter = ServedAdapter(config.learner.lora)  # vLLM serves the base model plus the learner's adapter
-    generator = VLLMGenerator(model_path(config), config.rollout, config.run.seed, receiver.engine, adapter)
+    placeholder = getattr(args, "placeholder_model", None)
+    if placeholder and adapter is not None:
+        raise SystemExit("rlmesh rollout: --placeholder-model cannot be used with learner.lora.rank > 0 (the learner "
+                         "broadcasts only the adapter, so the base model must already be the trained one)")
+    generator = VLLMGenerator(placeholder or model_path(config), config.rollout, config.run.seed, receiver.engine,
+                              adapter, placeholder=bool(placeholder))
     if config.logging.metrics_port is not None:
         from rlmesh.rollout_server.prom import engine_stats_logger
 
         generator.stat_loggers.append(engine_stats_logger())
     await generator.start()
+    if placeholder:
+        generator.start_warm_up()
 
     redis = connect_queue(config.queue, "rollout")
     prompts, trajectories = run_streams(redis, config.queue)

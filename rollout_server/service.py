@@ -41,6 +41,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self.digest_algorithm = ""  # the algorithm of the update in progress or last received ("" = sha256)
 
     async def Generate(self, request, context):
+        if self.generator.placeholder:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this rollout server holds placeholder weights until the "
+                                "learner's first broadcast (rlmesh up is still preparing the policy); retry later")
         group = request.prompt
         try:
             prompt_ids = self.generator.prompt_token_ids(group)

@@ -10,6 +10,8 @@ re-tokenizing its text would give; multi-turn episodes are tested on it)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,11 +103,28 @@ def build_tokenizer(kind: str = "bytes", vocab_size: int = 512, seed: int = 0):
 
 
 def write_tiny_model(spec: TinyModelSection, output: str | Path, *, seed: int = 0) -> Path:
+    """Write the model to `output`. It is written beside it and renamed into place, so a process
+    waiting for `output` to appear (`rlmesh up`'s rollout servers, during SFT) never reads half of it."""
+    target = Path(output)
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    _write(spec, staging, seed)
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()
+    if target.exists():  # an existing model directory: its files are replaced one by one
+        for f in staging.iterdir():
+            os.replace(f, target / f.name)
+        staging.rmdir()
+    else:
+        staging.rename(target)
+    return target
+
+
+def _write(spec: TinyModelSection, out: Path, seed: int) -> None:
     import torch
     import transformers
 
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True)
     tokenizer = build_tokenizer(spec.tokenizer, spec.bpe_vocab_size, seed)
     vocab_size = ((len(tokenizer) + 63) // 64) * 64
     common = dict(
@@ -137,4 +156,3 @@ def write_tiny_model(spec: TinyModelSection, output: str | Path, *, seed: int = 
     gen = json.loads((out / "generation_config.json").read_text())
     gen["eos_token_id"] = tokenizer.eos_token_id
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    return out

@@ -117,7 +117,11 @@ def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
     assert max(r["staleness_max"] for r in train) == 1
     assert summary["max_staleness_seen"] <= 1
     # Weights: every broadcast was verified by digest, and the last one equals the learner's weights.
-    assert summary["weights_verified_versions"] == 40
+    # Version 0 (the SFT weights) was broadcast too: the rollout server started on the model from
+    # before SFT, while SFT ran, and served nothing until they arrived.
+    assert summary["weights_verified_versions"] == 41
+    rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "learner is at version 0, waiting for its weights" in rollout_log
     assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
 
     for name in ("config.yaml", "config.resolved.yaml", "reward_curve.png", "logs/learner.log",
