@@ -38,8 +38,10 @@ test-unit: setup
 test-containers: setup
 	$(PY) -m pytest tests/containers --containers $(PYTEST_ARGS)
 
-# docker-compose: engine (installed and started if absent), images built with no registry, the stack
-# up (`COMPOSE_ARGS="--scale rollout=2"`), and where its outputs are; `compose-down` removes it all.
+# docker-compose: engine (installed and started if absent), images built with no registry (rlmesh,
+# and Valkey and Prometheus from Debian's packages), the stack up (`COMPOSE_ARGS="--scale rollout=2"`;
+# `COMPOSE_ARGS="--profile observability"` adds Prometheus on 127.0.0.1:9090), and where its outputs
+# are; `compose-down` removes it all.
 images: setup
 	PYTHON=$(PY) deploy/docker/stack.sh images
 

@@ -3,8 +3,9 @@
 # docker-compose (or `docker compose`) around deploy's files.
 #
 #   deploy/docker/stack.sh engine   # print `export DOCKER_HOST=...`, starting dockerd if none answers
-#   deploy/docker/stack.sh images   # base + Valkey images from Debian packages, wheelhouse, rlmesh:cpu
+#   deploy/docker/stack.sh images   # base, Valkey and Prometheus images from Debian packages, wheelhouse, rlmesh:cpu
 #   deploy/docker/stack.sh up       # images, then `compose up -d`, then where the outputs are
+#                                   # (`up --profile observability`: Prometheus too, on 127.0.0.1:9090)
 #   deploy/docker/stack.sh down     # stop and remove containers, networks and volumes
 #
 # Environment: RLMESH_DOCKER_DIR (where a dockerd started here keeps its state, default
@@ -23,6 +24,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-rlmesh}
 BASE_IMAGE=rlmesh/base:bookworm
 VALKEY_IMAGE=rlmesh/valkey:bookworm
+PROMETHEUS_IMAGE=rlmesh/prometheus:bookworm
 # Debian's client when there is one: the newer client some images ship lacks the buildx plugin.
 DOCKER=docker
 [ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
@@ -78,6 +80,10 @@ images() {
     --customize-hook='ln -s /usr/bin/redis-server "$1/usr/local/bin/valkey-server"' \
     --customize-hook='ln -s /usr/bin/redis-cli "$1/usr/local/bin/valkey-cli"' \
     --customize-hook='mkdir -p "$1/data"' --customize-hook='chown 999:999 "$1/data"'
+  # Debian's Prometheus server for the compose file's `observability` profile. It runs as nobody
+  # (65534, as prom/prometheus does), whose /prometheus a fresh named volume copies, owner included.
+  has_image "$PROMETHEUS_IMAGE" || debian_image "$PROMETHEUS_IMAGE" prometheus \
+    --customize-hook='mkdir -p "$1/prometheus"' --customize-hook='chown 65534:65534 "$1/prometheus"'
   say "wheelhouse: pip download of rlmesh's locked requirements into deploy/docker/wheelhouse"
   local log="${TMPDIR:-/tmp}/rlmesh-wheelhouse.log"  # not in the build context: it would bust the cache
   # Debian's Python is 3.11.2: redis wants async-timeout below 3.11.3; pip here resolves for the host's.
@@ -96,7 +102,12 @@ compose() {
 
 up() {
   export RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE}
-  compose up -d --no-build "$@"
+  export RLMESH_PROMETHEUS_IMAGE=${RLMESH_PROMETHEUS_IMAGE:-$PROMETHEUS_IMAGE}
+  # compose 1.29 takes --profile before the command, v2 either side: `up --profile observability`
+  # here becomes `--profile observability up`.
+  local profiles=()
+  while [ "${1:-}" = --profile ]; do profiles+=(--profile "$2"); shift 2; done
+  compose "${profiles[@]}" up -d --no-build "$@"
   cat >&2 <<EOF
 stack: up. Follow it with:
   $(engine)
@@ -114,6 +125,9 @@ case "$cmd" in
   engine) engine ;;
   images) eval "$(engine)"; images ;;
   up) eval "$(engine)"; images; up "$@" ;;
-  down) eval "$(engine)"; RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE} compose down -v --remove-orphans "$@" ;;
+  # Every profile, so that an `observability` stack's Prometheus goes too.
+  down) eval "$(engine)"; RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE} \
+    RLMESH_PROMETHEUS_IMAGE=${RLMESH_PROMETHEUS_IMAGE:-$PROMETHEUS_IMAGE} \
+    compose --profile observability down -v --remove-orphans "$@" ;;
   *) echo "usage: $0 engine|images|up|down [compose args]" >&2; exit 2 ;;
 esac

@@ -6,7 +6,9 @@ the engine's restart policy answers; `docker kill` counts as a manual stop and i
 and the Valkey container is restarted. The run must complete, learn, train no group twice, need
 no re-issue of lost queue entries, and end with the rollout weights equal to the learner's; then
 `down` must leave no container, network, volume or process behind. Every container runs as a
-non-root user, on a read-only root filesystem, with no capabilities and no privilege escalation."""
+non-root user, on a read-only root filesystem, with no capabilities and no privilege escalation.
+The same run has the `observability` profile on: its Prometheus (Debian's package, built by
+`stack.sh images`) scrapes every tier, replicas included, and answers on the host's loopback."""
 
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rlmesh.learner.metrics import surviving_lineage
+from rlmesh.services.ports import free_port
 
 pytestmark = pytest.mark.containers
 
@@ -41,6 +46,7 @@ class Stack:
         engine = subprocess.run([str(STACK), "engine"], capture_output=True, text=True, check=True).stdout
         # The compose file requires both secrets; each stack gets its own.
         self.env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "RLMESH_CONFIG_DIR": str(config_dir),
+                    "RLMESH_PROMETHEUS_PORT": str(free_port()),
                     "RLMESH_VALKEY_IMAGE": "rlmesh/valkey:bookworm", "RLMESH_TOKEN": secrets.token_hex(32),
                     "RLMESH_QUEUE_PASSWORD": secrets.token_hex(32)}
         for line in engine.splitlines():
@@ -49,7 +55,7 @@ class Stack:
 
     def compose(self, *args: str, timeout: float = 300) -> str:
         tool = ["docker-compose"] if shutil.which("docker-compose") else [DOCKER, "compose"]
-        out = subprocess.run([*tool, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run([*tool, "--profile", "observability", *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
         assert out.returncode == 0, f"compose {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
         return out.stdout
 
@@ -74,6 +80,24 @@ class Stack:
     def train_rows(self, learner: str) -> list[dict]:
         out = self.docker("exec", learner, "cat", "/data/runs/compose/metrics.jsonl", check=False)
         return [r for r in map(json.loads, out.splitlines()) if r.get("kind") == "train"]
+
+    def prometheus(self, query: str) -> list[dict]:
+        """The result of an instant query to the stack's Prometheus, through its loopback port."""
+        url = (f"http://127.0.0.1:{self.env['RLMESH_PROMETHEUS_PORT']}/api/v1/query?"
+               + urllib.parse.urlencode({"query": query}))
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())["data"]["result"]
+
+    def scraped(self) -> dict:
+        """Which tiers Prometheus scrapes (`up`, by the `tier` label; one series per replica), the
+        learner's policy version and the rollout tier's generated tokens, as it last saw them."""
+        try:
+            up = [(r["metric"]["tier"], float(r["value"][1])) for r in self.prometheus('up{job="rlmesh"}')]
+            version = [float(r["value"][1]) for r in self.prometheus("rlmesh_learner_policy_version")]
+            tokens = [float(r["value"][1]) for r in self.prometheus("sum(rlmesh_rollout_generated_tokens_total)")]
+        except OSError as err:  # not answering yet
+            return {"error": repr(err)}
+        return {"up": sorted(up), "policy_version": max(version, default=0.0), "rollout_tokens": sum(tokens)}
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40")[-8000:]
@@ -143,6 +167,14 @@ def run(tmp_path_factory):
         stack.compose("up", "-d", "--no-build", "--scale", "rollout=2", timeout=900)
         learner = stack.containers("learner")[0]
         _wait(lambda: len(stack.train_rows(learner)) >= 4, 900, "four training steps", stack)
+        # Scrape every 5 s, DNS discovery every 15 s: every tier (both rollout replicas) up within a minute.
+        want = [("learner", 1.0), ("reward", 1.0), ("rollout", 1.0), ("rollout", 1.0)]
+        deadline = time.monotonic() + 90
+        while (scraped := stack.scraped()).get("up") != want or scraped["policy_version"] <= 0:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(3.0)
+        events["prometheus"] = scraped
         events["hardening"] = _hardening(stack)
         # A stranger on the compose network: valkey-cli without the password (its variables unset).
         events["valkey_without_password"] = stack.docker(
@@ -231,11 +263,17 @@ def test_down_leaves_no_container_network_volume_or_process(run):
 def test_every_container_runs_as_a_non_root_user_on_a_read_only_root(run):
     hardening = run["hardening"]
     services = {name.split("/")[0] for name in hardening}
-    assert {"valkey", "reward", "learner", "rollout"} <= services, hardening
+    assert {"valkey", "reward", "learner", "rollout", "prometheus"} <= services, hardening
     for name, h in hardening.items():
         assert 0 not in h["uids"], f"{name} runs as root: {h}"
         assert h["read_only"] and h["root_write_refused"], f"{name} can write its root filesystem: {h}"
         assert h["no_new_privs"] and "ALL" in h["cap_drop"], f"{name} keeps capabilities or may escalate: {h}"
+
+
+def test_the_observability_profile_s_prometheus_scrapes_every_tier(run):
+    scraped = run["prometheus"]
+    assert scraped.get("up") == [("learner", 1.0), ("reward", 1.0), ("rollout", 1.0), ("rollout", 1.0)], scraped
+    assert scraped["policy_version"] > 0 and scraped["rollout_tokens"] > 0, scraped
 
 
 def test_valkey_refuses_a_client_without_the_password(run):

@@ -73,9 +73,9 @@ def test_compose_and_k8s_run_the_same_image_config_and_commands():
     k8s = {args[0]: args for d in _k8s_docs() for c in _containers(d) if c.get("image") == "rlmesh:cpu"
            for args in [c["args"]]}
     assert compose["x-rlmesh"]["image"] == "${RLMESH_IMAGE:-rlmesh:cpu}"
-    for name, service in compose["services"].items():
-        if name == "valkey":
-            continue
+    for service in compose["services"].values():
+        if not service.get("image", "").startswith("${RLMESH_IMAGE:-rlmesh:cpu}"):
+            continue  # valkey, prometheus
         args = _compose_args(service)
         # Same tier, same flags; only the config path and run directory differ by deployment.
         assert {a for a in args if a.startswith("--")} <= {a for a in k8s[args[0]] if a.startswith("--")}
@@ -88,6 +88,26 @@ def test_compose_and_k8s_run_the_same_image_config_and_commands():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs the kubectl client")
+def test_compose_observability_profile_scrapes_every_tier_and_is_hardened():
+    """Prometheus comes up only with `--profile observability`, hardened like the other services, on the
+    host's loopback only, with deploy's scrape config finding every tier that serves /metrics there."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    prom = compose["services"]["prometheus"]
+    assert prom["profiles"] == ["observability"]
+    assert all("profiles" not in s for name, s in compose["services"].items() if name != "prometheus")
+    assert prom["read_only"] and prom["cap_drop"] == ["ALL"] and "no-new-privileges:true" in prom["security_opt"]
+    assert not prom["user"].startswith("0")
+    assert all(port.startswith("127.0.0.1:") for port in prom["ports"]), prom["ports"]
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    scrape = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    (dns,) = [sd for job in scrape["scrape_configs"] for sd in job.get("dns_sd_configs", [])]
+    port = load_config(REPO / "deploy/compose.rlmesh.yaml").logging.metrics_port
+    served = {name for name, s in compose["services"].items()
+              if s.get("image", "").startswith("${RLMESH_IMAGE") and name != "prepare"}  # prepare: a one-off job
+    assert set(dns["names"]) == served and dns["port"] == port
+
+
 def test_k8s_manifests_render_with_kustomize():
     out = subprocess.run(["kubectl", "kustomize", str(REPO / "deploy/k8s")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
