@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser("sft", help="supervised fine-tuning (masked NLL on assistant tokens)")
     _add_config_args(sft)
-    sft.add_argument("--output", required=True, help="directory for the resulting HF model")
+    sft.add_argument("--output", required=True, help="directory for the resulting HF model (step metrics: "
+                     "sft_metrics.jsonl and logging.trackers' 'sft' run, in the directory above it)")
 
     dpo = sub.add_parser("dpo", help="direct preference optimisation on (prompt, chosen, rejected) pairs, offline "
                                      "(after the SFT warm start when sft.num_steps > 0)")
