@@ -3,24 +3,31 @@ rollout servers, for N in `--clients` (10,100,1000 by default), side by side.
 
 learner (this process, real code): the LearnerService gRPC server (`rlmesh.learner.membership`), the
           prompt issuer, the trajectory admission (`rlmesh.learner.admission`, every group validated
-          against what was issued) and the weight broadcaster's control RPCs (`rlmesh.learner.broadcast`:
-          InitWeightTransfer at each group rebuild; Pause, Start, UpdateWeights, Finish + digest
-          check, Resume on every server at every step). The bytes are not moved: a simulated
-          transport forms no gloo group (a 1,001-rank gloo group is not what this measures).
+          against what was issued, read while a step trains by `TrajectoryReader.admit_during`) and the
+          weight broadcaster's control RPCs (`rlmesh.learner.broadcast`: InitWeightTransfer at each
+          group rebuild; then per step one UpdateWeights per server carrying pause, start, finish
+          and resume, or 3 or 5 calls with --control combined / separate, + digest check). The bytes
+          are not moved: a simulated transport forms no gloo group (a 1,001-rank gloo group is not
+          what this measures).
 clients (`--sim-procs` other processes): N asyncio tasks speaking the real protocols: RegisterGenerator, a
-          Heartbeat every 2 s (the rollout server's period), and the real queue protocol on the
-          same Valkey (read a prompt group from the consumer group, "generate" for `--gen-s`,
-          publish a well-formed TrajectoryGroup of `--group-size` samples x `--completion-tokens`
-          tokens with logprobs, ack the prompt); a fake RolloutService gRPC servicer in each
-          process answers the control RPCs, on N ports in all (so the learner holds N channels, N TCP connections).
-Training is not run: the learner trains nothing, so everything it spends is control plane. Per
-step it takes `groups_per_step` = N groups (one per server; with max_staleness 1, 2N outstanding).
+          Heartbeat at the interval the learner's replies set (`rlmesh.learner.membership`), and the
+          real queue protocol on the same Valkey (read a prompt group from the consumer group,
+          "generate" for `--gen-s`, publish a well-formed TrajectoryGroup of `--group-size` samples x
+          `--completion-tokens` tokens with logprobs, ack the prompt); a fake RolloutService gRPC
+          servicer in each process answers the control RPCs, on N ports in all (so the learner holds
+          N channels, N TCP connections).
+The training step is a stand-in: `--step-s` seconds of a thread that sleeps (it holds no GIL, as a
+GPU step mostly does not), run the way the controller runs its step (`rlmesh.learner.controller`):
+arrivals are admitted while it runs, and the prompt top-up after each broadcast runs in the
+background. Per step the learner takes `groups_per_step` = N groups (one per server; with
+max_staleness 1, 2N outstanding).
 
-Printed per N: registration time, control-plane wall time per step on the learner's critical path
-(issue + admission + ack + broadcast control RPCs, not the wait for generation), the learner
-process's CPU per step (heartbeats included), queue throughput and Valkey memory, and the check
-that every issued group was trained exactly once and none lost. The overhead is the critical-path
-time over `--step-s` (a training step of a run with N rollout servers; state it with the numbers).
+Printed per N: registration time, the control plane's wall time per step on the learner's critical
+path (the step's wall time less the training stand-in and less waiting for generation: prompts
+issued in the foreground, admission before and just after the step, ack, broadcast control RPCs),
+the learner process's CPU per step (heartbeats and what ran beside training included), queue
+throughput and Valkey memory, and the check that every issued group was trained exactly once and
+none lost. The overhead is the critical-path time over `--step-s`.
 Run: python bench/control_plane_scale.py [--clients 10,100,1000 --steps 8]"""
 
 from __future__ import annotations
@@ -41,12 +48,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SIM_DIGEST = "simulated"
-HEARTBEAT_S = 2.0  # rlmesh.rollout_server.server.HEARTBEAT_S
+HEARTBEAT_S = 2.0  # rlmesh.rollout_server.server.HEARTBEAT_S, until the learner's first heartbeat reply
 
 
 # --- the simulated rollout tier (second process) ------------------------------------------------
 
-def fake_rollout_servicer(combined: bool):
+def fake_rollout_servicer(control: str):
     from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
     class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
@@ -57,7 +64,8 @@ def fake_rollout_servicer(combined: bool):
 
         async def InitWeightTransfer(self, request, context):
             return rollout_pb2.InitWeightTransferResponse(digest_algorithms=["blake3", "sha256"],
-                                                          combined_pause_resume=combined)
+                                                          combined_pause_resume=control != "separate",
+                                                          single_call_update=control == "single")
 
         async def PauseGeneration(self, request, context):
             return rollout_pb2.PauseGenerationResponse()
@@ -66,7 +74,10 @@ def fake_rollout_servicer(combined: bool):
             return rollout_pb2.StartWeightUpdateResponse()
 
         async def UpdateWeights(self, request, context):
-            return rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
+            reply = rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
+            if request.HasField("finish"):
+                reply.finished.CopyFrom(await self.FinishWeightUpdate(request.finish, context))
+            return reply
 
         async def FinishWeightUpdate(self, request, context):
             self.version = max(self.version, request.version)
@@ -78,13 +89,18 @@ def fake_rollout_servicer(combined: bool):
     return FakeRollout()
 
 
-def trajectory(prompt, generator_id: str, completion_tokens: int, rng: random.Random, version: int):
+def trajectory(prompt, generator_id: str, completion_tokens: int, rng: random.Random, version: int,
+               pool: list[int] | None = None):
+    """A well-formed group; its token ids are slices of `pool` (random ids drawn once per client:
+    drawing 2,048 a group cost the simulators more CPU than the learner spends on it)."""
     from rlmesh.v1 import common_pb2
 
     version = max(version, prompt.issued_at_version)
+    pool = pool or [rng.randrange(1, 1000) for _ in range(2 * completion_tokens)]
     samples = []
     for i in range(prompt.n):
-        ids = [rng.randrange(1, 1000) for _ in range(completion_tokens)]
+        start = rng.randrange(len(pool) - completion_tokens + 1)
+        ids = pool[start:start + completion_tokens]
         samples.append(common_pb2.Sample(
             index=i, completion=common_pb2.TokenSequence(token_ids=ids, loss_mask=[1] * len(ids)),
             logprobs=[-0.5] * len(ids), reward=float(i % 2), min_version=version,
@@ -102,7 +118,7 @@ async def simulate(args: argparse.Namespace) -> None:
     from rlmesh.services.queue import connect, run_streams
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 
-    server, fake = grpc.aio.server(), fake_rollout_servicer(args.control == "combined")
+    server, fake = grpc.aio.server(), fake_rollout_servicer(args.control)
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(fake, server)
     ports = [server.add_insecure_port("127.0.0.1:0") for _ in range(args.num_clients)]
     await server.start()
@@ -113,6 +129,7 @@ async def simulate(args: argparse.Namespace) -> None:
     async def client(i: int) -> float:
         i += args.first_client
         gid, rng = f"sim{i}", random.Random(i)
+        pool = [rng.randrange(1, 1000) for _ in range(4 * args.completion_tokens)]
         # Its own queue client, as each rollout server has (a blocked read holds a connection).
         prompts, trajectories = run_streams(connect(args.queue_url), QueueSection(url=args.queue_url))
         t0 = time.monotonic()
@@ -122,12 +139,14 @@ async def simulate(args: argparse.Namespace) -> None:
 
         async def beat() -> None:
             await asyncio.sleep(rng.uniform(0, HEARTBEAT_S))
+            interval_s = HEARTBEAT_S
             while not stop.is_set():
                 try:
-                    await learner.Heartbeat(learner_pb2.HeartbeatRequest(generator_id=gid))
+                    reply = await learner.Heartbeat(learner_pb2.HeartbeatRequest(generator_id=gid))
+                    interval_s = reply.heartbeat_interval_s or HEARTBEAT_S  # as the rollout server does
                 except grpc.aio.AioRpcError as err:
                     errors[f"Heartbeat {err.code().name}"] += 1
-                await asyncio.sleep(HEARTBEAT_S)
+                await asyncio.sleep(interval_s)
 
         async def work() -> None:
             while not stop.is_set():
@@ -135,7 +154,7 @@ async def simulate(args: argparse.Namespace) -> None:
                     group = common_pb2.PromptGroup.FromString(entry.data)
                     version = fake.version  # the weights it generates with
                     await asyncio.sleep(args.gen_s * rng.uniform(0.5, 1.5))
-                    data = trajectory(group, gid, args.completion_tokens, rng, version).SerializeToString()
+                    data = trajectory(group, gid, args.completion_tokens, rng, version, pool).SerializeToString()
                     await trajectories.publish(group.group_id, data)
                     await prompts.ack(entry.id)
 
@@ -176,13 +195,13 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
     from rlmesh.learner.data import Example
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.learner.membership import LearnerService, Membership
-    from rlmesh.learner.reader import CONSUMER, mark_queues
+    from rlmesh.learner.reader import TrajectoryReader, mark_queues
     from rlmesh.learner.validation import Bounds
     from rlmesh.services.config import NetworkSection, QueueSection, WeightSyncSection
     from rlmesh.services.grpc_server import ServerLimits, start_server
     from rlmesh.services.queue import connect, run_streams
     from rlmesh.services.valkey import start_embedded_valkey
-    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+    from rlmesh.v1 import learner_pb2, learner_pb2_grpc
 
     valkey = start_embedded_valkey()
     url = valkey.connection_url
@@ -240,30 +259,60 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
         valkey.stop()
         return {"clients": n, **register, "group_init_s": init_s, "broke": broke}
 
+    reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
+                              membership=membership, broadcaster=broadcaster, weights=source, metrics=None)
     buffer: list = []
+    held_back: list = []  # eval groups: none are issued here
     trained: list[str] = []
     steps: list[dict] = []
+    issuing: asyncio.Future | None = None
+
+    background: list[dict] = []
+
+    async def top_up(num_buffered: int, version: int) -> None:
+        """The controller's prompt top-up: once the update has completed everywhere, issue at `version`."""
+        t = time.monotonic()
+        completed = await broadcaster.settled()
+        t_settled = time.monotonic()
+        await issuer.issue_train(num_buffered, version)
+        background.append({"settle_s": t_settled - t, "issue_s": time.monotonic() - t_settled, **completed})
+
+    async def train_step() -> float:
+        """The training stand-in: a thread busy for --step-s without the GIL; when it ended."""
+        await asyncio.to_thread(time.sleep, args.step_s)
+        return time.monotonic()
+
     for _ in range(args.steps):
         version = state["version"]
-        cpu0, wall0, waited = time.process_time(), time.monotonic(), 0.0
+        cpu0, wall0, waited, issue_s = time.process_time(), time.monotonic(), 0.0, 0.0
+        buffer = [(e, g) for e, g in buffer if not await admission.drop_if_stale(e, g, version)]
         t = time.monotonic()
-        await issuer.issue_train(len(buffer), version)
-        issue_s = time.monotonic() - t
-        admit_s = 0.0
-        while len(buffer) < B:
+        for entry, group in held_back:  # arrived as the last step ended (the controller's _fill admits them first)
+            if await admission.accept(entry, group, version):
+                buffer.append((entry, group))
+        held_back, admit_s = [], time.monotonic() - t
+        while len(buffer) < B:  # the controller's _fill
             t = time.monotonic()
-            entries = await trajectories.read(CONSUMER, count=256, block_ms=500)
+            if issuing is not None:
+                await issuing
+                issuing = None
+            await issuer.issue_train(len(buffer), version)
+            issue_s += time.monotonic() - t
+            t = time.monotonic()
+            arrivals, held_back = held_back + await reader.read(version), []
             t_read = time.monotonic()
-            if not entries:
-                waited += t_read - t
-                continue
-            waited += t_read - t  # the read itself is counted below with a non-blocking estimate
-            for entry in entries:
-                group = common_pb2.TrajectoryGroup.FromString(entry.data)
+            waited += t_read - t  # the read blocks until something arrives (at most 0.5 s)
+            for entry, group in arrivals:
                 if await admission.accept(entry, group, version):
                     buffer.append((entry, group))
             admit_s += time.monotonic() - t_read
         batch, buffer = buffer[:B], buffer[B:]
+        t_train = time.monotonic()
+        admitted_before = len(buffer)
+        step = asyncio.ensure_future(train_step())
+        await reader.admit_during(step, version, buffer, held_back)
+        t_trained = await step
+        tail_s = time.monotonic() - t_trained  # the last read, after the step's end
         t = time.monotonic()
         for _, group in batch:
             admission.trained(group.group_id)
@@ -271,11 +320,19 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
         await trajectories.ack(*(entry.id for entry, _ in batch))
         ack_s = time.monotonic() - t
         state["version"] = version + 1
-        metrics = await broadcaster.broadcast(version + 1, source)
+        metrics = await broadcaster.send(version + 1, source)
+        issuing = asyncio.ensure_future(top_up(len(buffer), version + 1))
         wall = time.monotonic() - wall0
-        steps.append({"issue_s": issue_s, "admit_s": admit_s, "ack_s": ack_s, "broadcast_s": metrics["broadcast_s"],
-                      "wall_s": wall, "waited_s": waited, "cpu_s": time.process_time() - cpu0,
+        train_s = t_trained - t_train
+        steps.append({"issue_s": issue_s, "admit_s": admit_s, "tail_s": tail_s, "ack_s": ack_s,
+                      "broadcast_s": metrics["broadcast_s"], "wall_s": wall, "waited_s": waited, "train_s": train_s,
+                      "critical_s": wall - train_s - waited, "admitted_during_step": len(buffer) - admitted_before,
+                      "cpu_s": time.process_time() - cpu0,
                       **{key: v for key, v in metrics.items() if key.startswith("broadcast_") and key.endswith("_s")}})
+    if issuing is not None:
+        await issuing
+    if args.per_step:
+        print(json.dumps({"clients": n, "steps": steps, "beside_steps": background}), file=sys.stderr)
     info = await redis.info("memory")
     depth_p, depth_t = await prompts.depth(), await trajectories.depth()
     client_errors: collections.Counter = collections.Counter()
@@ -295,7 +352,8 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
     return {
         "clients": n, "groups_per_step": B, "steps": len(steps), **register, "group_init_s": init_s,
         **{f"{key}_p50": med(key) for key in steps[0]},
-        "critical_s_p50": sorted(s["issue_s"] + s["admit_s"] + s["ack_s"] + s["broadcast_s"] for s in steps)[len(steps) // 2],
+        **{f"bg_{key}_p50": sorted(b.get(key, 0.0) for b in background)[len(background) // 2] for key in
+           ("settle_s", "issue_s", "broadcast_load_s")},
         "groups_per_s": len(trained) / sum(s["wall_s"] for s in steps),
         "valkey_used_mib": info["used_memory"] / 2**20, "valkey_peak_mib": info["used_memory_peak"] / 2**20,
         "trained": len(trained), "trained_unique": len(set(trained)), "issued": issued_train,
@@ -313,11 +371,14 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--completion-tokens", type=int, default=256)
     p.add_argument("--gen-s", type=float, default=1.0, help="simulated generation time of one group (x0.5-1.5)")
-    p.add_argument("--step-s", type=float, default=10.0, help="training step the overhead is a fraction of")
-    p.add_argument("--control", choices=["combined", "separate"], default="combined",
-                   help="combined: servers pause in StartWeightUpdate and resume in FinishWeightUpdate (3 calls "
-                        "per server per step); separate: as servers before that (5 calls)")
+    p.add_argument("--step-s", type=float, default=10.0,
+                   help="the training step's stand-in (seconds), which the overhead is a fraction of")
+    p.add_argument("--control", choices=["single", "combined", "separate"], default="single",
+                   help="single: one UpdateWeights per server per step carries pause, start, finish and resume; "
+                        "combined: servers pause in StartWeightUpdate and resume in FinishWeightUpdate (3 calls "
+                        "per server per step, servers before single_call_update); separate: 5 calls")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--per-step", action="store_true", help="print every step's timings (JSON) to stderr")
     p.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sim-procs", type=int, default=8, help="processes the simulated servers are spread over")
     p.add_argument("--num-clients", type=int, help=argparse.SUPPRESS)
@@ -339,17 +400,24 @@ def main() -> None:
     results = [r for r in results if not r.get("broke")]
     rows = [("clients", "clients", "d"), ("register all (s)", "all_registered_s", ".2f"),
             ("group init (s)", "group_init_s", ".3f"), ("issue / step (s)", "issue_s_p50", ".3f"),
-            ("admit / step (s)", "admit_s_p50", ".3f"), ("ack / step (s)", "ack_s_p50", ".3f"),
+            ("admit / step (s)", "admit_s_p50", ".3f"), ("  after the step", "tail_s_p50", ".3f"),
+            ("admitted during step", "admitted_during_step_p50", "d"), ("ack / step (s)", "ack_s_p50", ".3f"),
             ("broadcast ctl / step (s)", "broadcast_s_p50", ".3f"), ("  pause", "broadcast_pause_s_p50", ".3f"),
             ("  start", "broadcast_start_s_p50", ".3f"), ("  update", "broadcast_load_s_p50", ".3f"),
             ("  finish", "broadcast_finish_s_p50", ".3f"), ("  resume", "broadcast_resume_s_p50", ".3f"),
-            ("critical path / step (s)", "critical_s_p50", ".3f"), ("learner CPU / step (s)", "cpu_s_p50", ".3f"),
+            ("  send (calls out)", "broadcast_send_s_p50", ".3f"),
+            ("beside the next step:", None, ""), ("  update completes (s)", "bg_settle_s_p50", ".3f"),
+            ("  prompts issued (s)", "bg_issue_s_p50", ".3f"),
+            ("critical path / step (s)", "critical_s_p50", ".3f"), ("waited for generation (s)", "waited_s_p50", ".3f"),
+            ("learner CPU / step (s)", "cpu_s_p50", ".3f"),
             ("groups/s through queue", "groups_per_s", ".0f"), ("valkey used (MiB)", "valkey_used_mib", ".1f"),
             ("valkey peak (MiB)", "valkey_peak_mib", ".1f"), ("learner max RSS (MiB)", "learner_maxrss_mib", ".0f"),
             ("trained / unique", None, ""), ("lost / dropped+dup", None, "")]
     print()
     for label, key, fmt in rows:
-        if key is None and label.startswith("trained"):
+        if key is None and label.startswith("beside"):
+            cells = [""] * len(results)
+        elif key is None and label.startswith("trained"):
             cells = [f"{r['trained']}/{r['trained_unique']}" for r in results]
         elif key is None:
             cells = [f"{r['issued'] - r['trained'] - r['outstanding_after'] - r['buffered_after'] - r['dropped']}"

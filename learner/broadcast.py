@@ -70,6 +70,7 @@ class WeightBroadcaster:
         """Every member of this group takes a whole update (pause, start, receive, finish, resume) in one
         UpdateWeights call: one control call per server per step."""
         self._fanout: asyncio.Semaphore | None = None
+        self._completing: asyncio.Future | None = None  # a single-call update's completion (`settled`)
 
     def _bounded(self, call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
         """`call()` with at most weight_sync.control_concurrency such calls in flight. Only for the
@@ -157,8 +158,20 @@ class WeightBroadcaster:
         return wanted
 
     async def broadcast(self, version: int, source: WeightSource) -> dict[str, float]:
-        """Push the weights as `version` to every generator; returns timing metrics. A generator
-        that fails is dropped from membership (it re-registers) and the round is retried once."""
+        """Push the weights as `version` to every generator and wait until every one has them;
+        returns timing metrics."""
+        metrics = await self.send(version, source)
+        return {**metrics, **await self.settled()}
+
+    async def send(self, version: int, source: WeightSource) -> dict[str, float]:
+        """Push the weights as `version` to every generator; returns timing metrics once the bytes
+        are sent, so that the learner's next training step can start. In a single-call group the
+        rest (each server's reply once it has loaded them, the digest check) completes in the
+        background: `settled()` waits for it, and whatever needs every server at `version` (issuing
+        prompts at it, the next update, a catch-up) must call it first. A generator that fails
+        before the bytes are sent is dropped from membership (it re-registers) and the round is
+        retried once; one that fails after is dropped and caught up when it registers again."""
+        await self.settled()
         for attempt in (0, 1):
             if not self.membership.generators:
                 return {"broadcast_s": 0.0, "num_generators": 0.0}
@@ -169,6 +182,18 @@ class WeightBroadcaster:
                     raise
                 log.warning("weight broadcast v%d failed (%s); rebuilding the group and retrying", version, err)
         raise AssertionError("unreachable")
+
+    async def settled(self) -> dict[str, float]:
+        """Wait until the last update has completed on every generator (raises what it raised: a
+        digest mismatch); its metrics, {} when there was nothing to wait for."""
+        completing = self._completing
+        if completing is None:
+            return {}
+        try:
+            return await asyncio.shield(completing)
+        finally:
+            if completing.done() and self._completing is completing:
+                self._completing = None
 
     async def _broadcast_once(self, version: int, source: WeightSource) -> dict[str, float]:
         t0 = time.monotonic()
@@ -213,17 +238,20 @@ class WeightBroadcaster:
             self.formed = False
             raise BroadcastError(f"{self.cfg.backend} send failed: {err}") from err
         lap("send")
-        replies = await self._gather("UpdateWeights", updates)
-        lap("load")  # receivers still loading the last bucket after the sender is done (and finishing, if single)
+        self.sent_versions.append(version)
+        sent = {"broadcast_mb": sum(m.nbytes for m in metas) / 2**20,
+                # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
+                "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
+                "weights_verified": float(self.transport.verifies)}
         if single:
-            finished = {gid: reply.finished for gid, reply in replies.items()}
-        else:
-            finished = await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
-                finish, timeout=timeout)))
-            lap("finish")
-        for g in members:
-            g.busy_seconds = finished[g.generator_id].busy_seconds
-        mismatch = self._verify(version, digest, finished) if self.transport.verifies else ""
+            self._completing = asyncio.ensure_future(self._complete(version, digest, members, updates))
+            return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
+        await self._gather("UpdateWeights", updates)
+        lap("load")  # receivers still loading the last bucket after the sender is done
+        finished = await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
+            finish, timeout=timeout)))
+        lap("finish")
+        mismatch = self._verify(version, digest, finished, members) if self.transport.verifies else ""
         lap("verify")
         if not combined:
             await self._gather("ResumeGeneration", each(lambda g: g.stub.ResumeGeneration(
@@ -231,21 +259,44 @@ class WeightBroadcaster:
             lap("resume")
         if mismatch:
             raise RuntimeError(mismatch)  # a corrupted transfer is a bug, not a retryable fault
-        self.sent_versions.append(version)
-        if self.transport.verifies:
+        self._record(version, digest, finished, members)
+        return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
+
+    async def _complete(self, version: int, digest: str, members: list[Generator],
+                        updates: dict[str, asyncio.Future]) -> dict[str, float]:
+        """The rest of a single-call update once the bytes are sent: every server's reply (it has
+        loaded the weights, finished and resumed) and the digest check. A server whose call failed
+        is dropped from membership (it registers again and is caught up to the version current
+        then): nothing is re-sent as `version`, since the learner's weights may have moved on."""
+        t0 = time.monotonic()
+        results = dict(zip(updates, await asyncio.gather(*updates.values(), return_exceptions=True)))
+        for gid, result in results.items():
+            if isinstance(result, BaseException):
+                detail = (f"{result.code().name}: {result.details()}" if isinstance(result, grpc.aio.AioRpcError)
+                          else repr(result))
+                self.membership.remove(gid, f"UpdateWeights v{version} failed after the weights were sent ({detail})")
+                self.formed = False  # the next update rebuilds the group without it
+        done = [g for g in members if not isinstance(results[g.generator_id], BaseException)]
+        finished = {g.generator_id: results[g.generator_id].finished for g in done}
+        t_loaded = time.monotonic()
+        mismatch = self._verify(version, digest, finished, done) if self.transport.verifies else ""
+        if mismatch:
+            raise RuntimeError(mismatch)  # a corrupted transfer is a bug, not a retryable fault
+        self._record(version, digest, finished, done)
+        return {"broadcast_load_s": t_loaded - t0, "broadcast_verify_s": time.monotonic() - t_loaded}
+
+    def _record(self, version: int, digest: str, finished: dict[str, Any], members: list[Generator]) -> None:
+        """`members` hold `version`, verified when the transport digests."""
+        for g in members:
+            g.busy_seconds = finished[g.generator_id].busy_seconds
+            g.version = version
+        if self.transport.verifies and members:
             self.verified_versions.append(version)
             self.last_digest = digest
-        for g in members:
-            g.version = version
-        return {"broadcast_s": time.monotonic() - t0, **phases,
-                "broadcast_mb": sum(m.nbytes for m in metas) / 2**20,
-                # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
-                "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
-                "weights_verified": float(self.transport.verifies)}
 
-    def _verify(self, version: int, digest: str, finished: dict[str, Any]) -> str:
-        """"" if every worker of every member reported receiving exactly `digest`; otherwise what differs."""
-        for g in self.members:
+    def _verify(self, version: int, digest: str, finished: dict[str, Any], members: list[Generator]) -> str:
+        """"" if every worker of every one of `members` reported receiving exactly `digest`; otherwise what differs."""
+        for g in members:
             reply = finished[g.generator_id]
             if (reply.digest_algorithm or "sha256") != self.digest_algorithm:
                 return (f"{g.generator_id} digested weights v{version} with {reply.digest_algorithm or 'sha256'}, the "

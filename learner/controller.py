@@ -91,10 +91,18 @@ class Controller:
         self.issuing: asyncio.Future | None = None
 
     async def _issued(self) -> None:
-        """Wait for the background prompt top-up, if any (its failure is raised here)."""
+        """Wait for the background prompt top-up, if any, and for the last weight update to have
+        completed on every generator (their failures are raised here)."""
         issuing, self.issuing = self.issuing, None
         if issuing is not None:
             await issuing
+        await self.broadcaster.settled()
+
+    async def _top_up(self, num_buffered: int, version: int) -> None:
+        """Issue train prompts at `version` once every generator holds it (the update's completion
+        runs beside the next training step)."""
+        await self.broadcaster.settled()
+        await self.issuer.issue_train(num_buffered, version)
 
     async def resume(self) -> None:
         """Continue from the newest durable checkpoint, if any: restore weights, optimizer, RNG,
@@ -228,14 +236,16 @@ class Controller:
                 self.admission.trained(g.group_id)
                 self.unacked.append(e.id)
             self.trained_log.write({"version": self.version, "group_ids": [g.group_id for g in groups]})
-            bc = await self.broadcaster.broadcast(self.version, self.weights)
+            # Returns once the weights are sent; every server's reply and the digest check complete
+            # beside the next step (`broadcaster.settled`, which the prompt top-up waits for).
+            bc = await self.broadcaster.send(self.version, self.weights)
             # Top the prompt stream up as soon as the new version is out, whatever comes next: a
             # step trained from groups already buffered (e.g. those held back during an evaluation)
             # would otherwise leave the rollout tier idle, and a checkpoint or evaluation would too.
             # It runs in the background (a thousand groups take seconds to build and send): the
             # budget is fixed when it starts, and whatever issues next waits for it first.
             if self.version < cfg.learner.num_steps:
-                self.issuing = asyncio.ensure_future(self.issuer.issue_train(len(ready), self.version))
+                self.issuing = asyncio.ensure_future(self._top_up(len(ready), self.version))
             self._log_step(groups, ages, train_metrics, bc, train_s, t_last)
             t_last = time.monotonic()
             every = cfg.checkpoint.every_n_steps
@@ -243,6 +253,7 @@ class Controller:
                 await self._checkpoint()
             if cfg.learner.eval_every and self.version % cfg.learner.eval_every == 0 and self.version < cfg.learner.num_steps:
                 if cfg.learner.eval_overlap:
+                    await self._issued()  # every generator holds this version before its eval prompts go out
                     await self.evaluator.start(self.version)  # finishes as its groups come back
                 else:
                     await self.evaluate()

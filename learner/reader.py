@@ -53,6 +53,7 @@ class TrajectoryReader:
     async def catch_up(self, version: int) -> None:
         """Bring generators that hold other weights (late joiners, survivors of a learner restart)
         to `version` now, rather than after the next step: they serve nothing until then."""
+        await self.broadcaster.settled()  # an update still completing leaves every generator looking behind
         if self.membership.out_of_date(version):
             await self.broadcaster.broadcast(version, self.weights)
 

@@ -168,6 +168,53 @@ async def test_an_update_is_one_control_call_per_server_where_every_member_takes
         await server.stop(0)
 
 
+class SlowFinishRolloutService(RolloutService):
+    """Finishes an update only once the test lets it (a server still loading the last weights)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = asyncio.Event()
+
+    async def FinishWeightUpdate(self, request, context):
+        await self.release.wait()
+        return await super().FinishWeightUpdate(request, context)
+
+
+async def test_send_returns_once_the_bytes_are_sent_and_settled_waits_for_every_server():
+    engine = StandInEngine()
+    server, membership, broadcaster = await _plane(engine, SlowFinishRolloutService)
+    gen = membership.generators["gen"]
+    try:
+        named = _named(1)
+        metrics = await asyncio.wait_for(broadcaster.send(1, WeightSource.of(named)), 10)
+        # The learner may train on: the bytes are out, but nothing counts as held or verified yet.
+        assert metrics["num_generators"] == 1.0 and broadcaster.sent_versions == [1]
+        assert broadcaster.verified_versions == [] and gen.version == 0 and engine.version == 0
+        waiting = asyncio.ensure_future(broadcaster.settled())
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        server.rollout_service.release.set()
+        assert set(await asyncio.wait_for(waiting, 10)) == {"broadcast_load_s", "broadcast_verify_s"}
+        assert broadcaster.verified_versions == [1] and gen.version == 1 == engine.version
+        assert broadcaster.last_digest == weights_digest(named, algorithm="blake3")
+        assert await broadcaster.settled() == {}  # nothing left to wait for
+    finally:
+        await server.stop(0)
+
+
+async def test_a_server_that_fails_after_the_send_is_dropped_and_nothing_is_resent():
+    engine = StandInEngine()
+    server, membership, broadcaster = await _plane(engine, SlowFinishRolloutService)
+    try:
+        await broadcaster.send(1, WeightSource.of(_named(1)))
+        await server.stop(0)  # the server goes away before it answers
+        await asyncio.wait_for(broadcaster.settled(), 20)
+        assert "gen" not in membership.generators and not broadcaster.formed
+        assert broadcaster.sent_versions == [1] and broadcaster.verified_versions == []
+    finally:
+        await server.stop(0)
+
+
 async def test_a_rollout_server_that_predates_digest_algorithms_is_sent_and_verified_with_sha256():
     engine = StandInEngine(only_sha256=True)
     server, _, broadcaster = await _plane(engine, OlderRolloutService)
