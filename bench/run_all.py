@@ -38,6 +38,10 @@ BENCHES = {
                                                f"{len(r['runs']) // 2} seeds)", r["on_mean_s"], r["off_mean_s"],
                                                r["ratio"], "<= 1.05", "s")]),
     "trl_vs_rlmesh": ([], None),
+    # Side by side with an older commit: `python bench/startup.py --before <git worktree of it>`.
+    "startup": ([], lambda r: [("start-up: rlmesh up -> first trained step, SFT excluded", r["after"]["startup_s"],
+                                r.get("before", {}).get("startup_s", float("nan")), r.get("ratio", float("nan")),
+                                "<= 0.5 x before", "s")]),
 }
 
 

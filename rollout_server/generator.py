@@ -139,11 +139,11 @@ class VLLMGenerator:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def warm_up(self, num_prompts: int = 8, n: int = 8) -> None:
-        """Generate a throw-away batch, so that the first real one (the learner's evaluation of
+    async def warm_up(self, batches: tuple[int, ...] = (1, 8, 64)) -> None:
+        """Generate throw-away batches, so that the first real one (the learner's evaluation of
         version 0) does not pay the kernels' first-call costs. Only on placeholder weights: nothing
         sampled here is kept, it runs while `rlmesh up` is still fine-tuning, and the learner's first
-        weight update cancels it rather than wait for it."""
+        weight update cancels it. Batches grow, so that the engine step a cancel must wait for is short."""
         from vllm import SamplingParams
 
         t0 = time.monotonic()
@@ -157,7 +157,8 @@ class VLLMGenerator:
                 pass
 
         try:
-            await asyncio.gather(*(one(i) for i in range(num_prompts * n)))
+            for size in batches:
+                await asyncio.gather(*(one(i) for i in range(size)))
         except asyncio.CancelledError:
             log.info("warm-up stopped after %.1fs: the learner's weights are arriving", time.monotonic() - t0)
             raise
