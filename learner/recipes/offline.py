@@ -52,7 +52,7 @@ def train_offline(trainer: Trainer, examples: TrainData | list[Example], rng: ra
     bar = tqdm(range(1, section.num_steps + 1), desc=desc, disable=not show_progress)
     for step in bar:
         seqs = trainer.objective.sequences(data.draw(rng, section.batch_size))
-        step_metrics = trainer.step(seqs, section.lr)
+        step_metrics = trainer.step(seqs, offline_lr(section, step))
         if metrics is not None:
             metrics.write({"kind": "train", "step": step, **step_metrics})
         bar.set_postfix(postfix(step_metrics))
@@ -61,6 +61,14 @@ def train_offline(trainer: Trainer, examples: TrainData | list[Example], rng: ra
     final = evaluate(section.num_steps) if evaluate is not None else None
     save_model(trainer, tokenizer, source_dir, output)
     return final
+
+
+def offline_lr(section: SFTSection | DPOSection, step: int) -> float:
+    """The rate of offline step `step` (1-based): SFT's schedule (`sft.lr_schedule`), DPO's constant rate."""
+    from rlmesh.learner.train.schedule import sft_learning_rate
+    from rlmesh.services.config import SFTSection
+
+    return sft_learning_rate(section, step) if isinstance(section, SFTSection) else section.lr
 
 
 def save_model(trainer: Trainer, tokenizer: Any, source_dir: str, output: Path) -> None:

@@ -111,7 +111,13 @@ class SFTSection(Section):
     batch_size: int = Field(64, ge=1)
     """Sequences per SFT step."""
     lr: float = Field(3e-3, gt=0)
-    """SFT learning rate."""
+    """SFT learning rate (the peak rate under the cosine schedule)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """`constant`: sft.lr every step; `cosine`: linear warm-up from 0 over sft.warmup_steps, then cosine decay from sft.lr to sft.lr * sft.lr_final_ratio at the last step."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up under `cosine` (0: none)."""
+    lr_final_ratio: float = Field(0.0, ge=0, le=1)
+    """The cosine schedule's last rate, as a fraction of sft.lr."""
     label_noise: float = Field(0.0, ge=0, le=1)
     """Fraction of SFT targets made wrong so the warm start leaves room for RL: a single answer is replaced by the example's `rejected` answer where it has one (data.rejected_key), else gets a stray trailing "!"; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
 
