@@ -5,7 +5,9 @@ On: `logging.trackers=[jsonl,tensorboard,wandb,mlflow]` (W&B offline, MLflow to 
 `logging.metrics_port=0` with every service's /metrics scraped every 5 s (as a Prometheus would),
 `logging.format=json`, `logging.trace_file=true`, and OTLP/HTTP trace export
 (`OTEL_EXPORTER_OTLP_ENDPOINT`) to a receiver this script runs, which decodes every span it is sent.
-Off: metrics.jsonl only (always written), no metrics port, text logs, no traces.
+Off: metrics.jsonl only (always written), no metrics port, text logs, no traces. `--sides off,on,on-noprom`
+adds an ablation: everything on but the Prometheus endpoints (no `logging.metrics_port`, so no vLLM engine
+stats and no scraping either).
 
 Measured: the RL loop time, first to last training step from metrics.jsonl (start-up and the SFT warm
 start excluded). Both sides start from one shared SFT warm start (made once, by `rlmesh sft`, with the
@@ -34,6 +36,7 @@ CONFIG = REPO / "examples/arithmetic_grpo.yaml"
 ON = ["logging.trackers=[jsonl,tensorboard,wandb,mlflow]", "logging.metrics_port=0", "logging.format=json",
       "logging.trace_file=true"]
 OFF = ["logging.trackers=[jsonl]", "logging.format=text", "logging.trace_file=false"]
+SIDES = {"off": OFF, "on": ON, "on-noprom": [o for o in ON if not o.startswith("logging.metrics_port")]}
 
 
 class Receiver(ThreadingHTTPServer):
@@ -103,11 +106,11 @@ def run(side: str, seed: int, steps: int, config: Path, out: Path, receiver: Rec
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for key in [k for k in env if k.startswith("OTEL_")]:
         del env[key]
-    if side == "on":
+    if side.startswith("on"):
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_port}", WANDB_MODE="offline",
                    WANDB_SILENT="true")
     cmd = [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(config), "--run-dir", str(run_dir),
-           "logging.progress=false", f"run.seed={seed}", f"learner.num_steps={steps}", *(ON if side == "on" else OFF)]
+           "logging.progress=false", f"run.seed={seed}", f"learner.num_steps={steps}", *SIDES[side]]
     spans0, load0 = receiver.num_spans, os.getloadavg()[0]
     stop, scrapes = threading.Event(), {}
     scraper = threading.Thread(target=scrape, args=(run_dir, stop, scrapes), daemon=True)
@@ -133,6 +136,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=100, help="RL steps per run (the demo's 100)")
+    p.add_argument("--sides", default="off,on", help=f"which of {', '.join(SIDES)} to run, each seed")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="rlmesh-obs-"))
@@ -141,29 +145,31 @@ def main() -> None:
     print(f"runs in {out}; load average (1, 5, 15 min) {os.getloadavg()} on {os.cpu_count()} cores", flush=True)
     config = warm_start(out)
     results = []
+    sides = args.sides.split(",")
     for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
-        for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+        for side in sides if i % 2 == 0 else sides[::-1]:
             r = run(side, seed, args.steps, config, out, receiver)
-            print(f"{side:>3} seed {seed}: RL loop {r['loop_s']:.1f} s ({r['num_steps']} steps, median step "
+            print(f"{side:>9} seed {seed}: RL loop {r['loop_s']:.1f} s ({r['num_steps']} steps, median step "
                   f"{r['median_step_s']:.2f} s), {r['spans_received']} spans received, scrapes {r['scrapes']}, "
                   f"load {r['load_1min_start']:.1f} -> {r['load_1min_end']:.1f}", flush=True)
             results.append(r)
     receiver.shutdown()
     by = {(r["side"], r["seed"]): r for r in results}
     seeds = sorted({r["seed"] for r in results})
-    print(f"\n{'seed':>4} {'off loop s':>10} {'on loop s':>10} {'on/off':>7} {'load off':>9} {'load on':>8}")
+    print(f"\n{'seed':>4} " + " ".join(f"{side + ' loop s':>16} {'load':>5}" for side in sides)
+          + "".join(f" {side + '/off':>13}" for side in sides if side != "off"))
     for s in seeds:
-        off, on = by[("off", s)], by[("on", s)]
-        print(f"{s:>4} {off['loop_s']:10.1f} {on['loop_s']:10.1f} {on['loop_s'] / off['loop_s']:7.3f} "
-              f"{off['load_1min_start']:9.1f} {on['load_1min_start']:8.1f}")
-    off_mean = statistics.mean(by[("off", s)]["loop_s"] for s in seeds)
-    on_mean = statistics.mean(by[("on", s)]["loop_s"] for s in seeds)
-    ratio = on_mean / off_mean
-    print(f"mean RL loop time: off {off_mean:.1f} s, on {on_mean:.1f} s; on / off {ratio:.3f} "
-          f"(target <= 1.05) over {len(seeds)} seed(s); load average now {os.getloadavg()}")
+        print(f"{s:>4} " + " ".join(f"{by[(side, s)]['loop_s']:16.1f} {by[(side, s)]['load_1min_start']:5.1f}"
+                                    for side in sides)
+              + "".join(f" {by[(side, s)]['loop_s'] / by[('off', s)]['loop_s']:13.3f}" for side in sides if side != "off"))
+    means = {side: statistics.mean(by[(side, s)]["loop_s"] for s in seeds) for side in sides}
+    print("mean RL loop time: " + ", ".join(f"{side} {m:.1f} s" for side, m in means.items())
+          + "".join(f"; {side} / off {m / means['off']:.3f}" for side, m in means.items() if side != "off")
+          + f" (target for on / off: <= 1.05) over {len(seeds)} seed(s); load average now {os.getloadavg()}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": results, "off_mean_s": off_mean, "on_mean_s": on_mean,
-                                               "ratio": ratio, "steps": args.steps}, indent=2))
+        Path(args.json).write_text(json.dumps({"runs": results, "off_mean_s": means["off"], "on_mean_s": means["on"],
+                                               "ratio": means["on"] / means["off"], "means": means,
+                                               "steps": args.steps}, indent=2))
 
 
 if __name__ == "__main__":
