@@ -38,6 +38,7 @@ BENCHES = {
                                                f"{len(r['runs']) // 2} seeds)", r["on_mean_s"], r["off_mean_s"],
                                                r["ratio"], "<= 1.05", "s")]),
     "trl_vs_rlmesh": ([], None),
+    "long_generation": ([], None),
     # Side by side with an older commit: `python bench/startup.py --before <git worktree of it>`.
     "startup": ([], lambda r: [("start-up: rlmesh up -> first trained step, SFT excluded", r["after"]["startup_s"],
                                 r.get("before", {}).get("startup_s", float("nan")), r.get("ratio", float("nan")),
@@ -72,6 +73,23 @@ def _rows_trl(r: dict) -> list[tuple]:
     return [(what, ours["time_to_target_s"], trl["time_to_target_s"], r["ratio"], ">= 3", "s")]
 
 
+def _rows_long(r: dict) -> list[tuple]:
+    """Mean time to the target over the seeds (NaN where a seed missed it): TRL vs the best rlmesh
+    setting, synchronous (k=0) vs the best asynchronous one."""
+    means, s, nan = r["summary"]["mean_time_to_target_s"], r["summary"], float("nan")
+    n, rows = len(r["seeds"]), []
+    best = s.get("best_rlmesh")
+    if "trl" in means:
+        ours = means.get(best) if best else None
+        rows.append((f"long generations (reasoning demo, {n} seeds): best rlmesh ({best}) vs TRL, time to target",
+                     ours or nan, means["trl"] or nan, s.get("trl_over_rlmesh", nan), ">= 3", "s"))
+    if "k0" in means:
+        fast = means.get(s.get("best_async")) if s.get("best_async") else None
+        rows.append((f"long generations ({n} seeds): best async ({s.get('best_async')}) vs sync k=0, time to target",
+                     fast or nan, means["k0"] or nan, s.get("sync_over_async", nan), ">= 2", "s"))
+    return rows
+
+
 def _rows_reward(r: dict) -> list[tuple]:
     return [(f"reward server: {name}", v["measured"], v["baseline"], v["ratio"], v.get("target", ""), "items/s")
             for name, v in r.items() if isinstance(v, dict) and "ratio" in v]
@@ -99,7 +117,7 @@ def main() -> None:
             continue
         result = json.loads(out.read_text())
         reader = reader or {"async_vs_sync": _rows_async, "reward_throughput": _rows_reward,
-                             "trl_vs_rlmesh": _rows_trl}[name]
+                             "trl_vs_rlmesh": _rows_trl, "long_generation": _rows_long}[name]
         rows += [(*row, name, time.monotonic() - t0) for row in reader(result)]
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
              f"{platform.python_implementation()} {platform.python_version()}",

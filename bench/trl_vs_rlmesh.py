@@ -4,7 +4,10 @@ config) and once by TRL's `GRPOTrainer` with the same group size, prompts per st
 learning rate and schedule, clip, sampling temperature, completion budget, reward function and chat
 template. Wall time runs from launching each side's process to the step whose checkpoint first
 reaches --target held-out accuracy; every checkpoint of both sides (every 10 steps) is scored after
-the runs by one evaluator (HF greedy decoding, the arithmetic environment's own `correct` signal).
+the runs by one evaluator (HF greedy decoding, the environment's own `correct` signal).
+
+The pieces take the config as a parameter (`--config`; the environment named by `data.env_name`
+scores both sides): bench/long_generation.py runs them on the reasoning task.
 
 Run: python bench/trl_vs_rlmesh.py [--target 0.9] [--trl-generation hf] [--trl-max-s 480] [--json OUT]
 Needs the bench extra (`make bench-setup`: trl, accelerate, datasets)."""
@@ -35,15 +38,32 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def _rewards(completions: list[str], answers: list[str]) -> list[float]:
-    """The arithmetic environment's own scoring (reward = `correct` = exact integer answer)."""
-    from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
+def environment(config: RunConfig) -> Any:
+    """The environment scoring `data.env_name`, built in this process as the reward server builds it:
+    `math` with its reward.math settings, another built-in, or a reward.functions entry."""
+    from rlmesh.reward_server.function_workers import WorkerLimits
+    from rlmesh.reward_server.environments.math import MathEnvironment
+    from rlmesh.reward_server.service import BUILTIN, load_environment
+
+    name = config.data.env_name
+    if name == "math":
+        return MathEnvironment(**config.reward.math.model_dump())
+    if name in config.reward.functions:
+        return load_environment(name, config.reward.functions[name], WorkerLimits.from_config(config.reward))
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    raise ValueError(f"data.env_name={name!r}: this bench scores in-process with a built-in environment "
+                     f"({', '.join(BUILTIN)}) or a reward.functions entry; remote environments are not supported")
+
+
+def score(env: Any, completions: list[str], answers: list[Any]) -> tuple[list[float], list[float]]:
+    """(reward, correct) of each completion by `env`; `correct` is the component of that name, else the reward."""
     from rlmesh.reward_server.environments.base import ScoreInput
 
-    outs = ArithmeticEnvironment().score([ScoreInput(id=str(i), prompt=[], completion=c, metadata={"answer": a})
-                                          for i, (c, a) in enumerate(zip(completions, answers))])
+    outs = env.score([ScoreInput(id=str(i), prompt=[], completion=c, metadata={"answer": a})
+                      for i, (c, a) in enumerate(zip(completions, answers))])
     assert not any(o.error for o in outs), [o.error for o in outs if o.error]
-    return [o.components["correct"] for o in outs]
+    return [o.reward for o in outs], [o.components.get("correct", o.reward) for o in outs]
 
 
 def lr_factor(step: int, config: RunConfig) -> float:
@@ -56,7 +76,8 @@ def lr_factor(step: int, config: RunConfig) -> float:
 
 # --- the one evaluator ----------------------------------------------------------------------------
 
-def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Example], max_tokens: int) -> float:
+def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Example], max_tokens: int,
+                      env: Any) -> float:
     """Greedy completion of every held-out prompt with HF `generate`, scored by the environment."""
     from transformers.utils import logging as hf_logging
 
@@ -64,26 +85,27 @@ def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Examp
 
     hf_logging.disable_progress_bar()
     texts = greedy_completions(model_dir, eval_set, max_tokens, tokenizer_dir)
-    return sum(_rewards(texts, [str(ex.metadata["answer"]) for ex in eval_set])) / len(eval_set)
+    return sum(score(env, texts, [ex.metadata["answer"] for ex in eval_set])[1]) / len(eval_set)
 
 
 # --- rlmesh side --------------------------------------------------------------------------------
 
-def run_rlmesh(work: Path, warm: Path, overrides: list[str]) -> dict[str, Any]:
-    """`rlmesh up` on the demo config, its model replaced by the shared warm start."""
+def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path = DEMO,
+               name: str = "rlmesh") -> dict[str, Any]:
+    """`rlmesh up` on `config_path`, its model replaced by the shared warm start; files under work/name."""
     import yaml
 
     from rlmesh.learner.metrics import read_metrics
 
-    raw = yaml.safe_load(DEMO.read_text())
+    raw = yaml.safe_load(config_path.read_text())
     raw["model"] = {"type": "hf", "path": str(warm)}
     raw["sft"] = {**raw.get("sft", {}), "num_steps": 0}
     raw.setdefault("checkpoint", {}).update(every_n_steps=EVERY, keep_last=1000)
-    cfg_path = work / "rlmesh.yaml"
+    cfg_path = work / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    run_dir = work / "rlmesh"
+    run_dir = work / name
     t_launch = time.time()
-    with open(work / "rlmesh.log", "w") as log:
+    with open(work / f"{name}.log", "w") as log:
         subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
                         "logging.progress=false", *overrides], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
     t_end = time.time()
@@ -93,8 +115,20 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str]) -> dict[str, Any]:
     checkpoints = {int(p.name.removeprefix("step_")): p / "model"
                    for p in sorted((run_dir / "checkpoints").glob("step_*"))}
     first_step_start = train[0]["time"] - train[0]["step_s"] - t_launch
+    loop_s = at[max(at)] - first_step_start
+    # Idle: the learner's loop time outside its training step and weight send; each rollout
+    # server's time with no request in its engine (or paused for a weight update), from its busy
+    # clock read at every step, over first to last step record.
+    busy = sum(r["train_s"] + r.get("broadcast_s", 0.0) for r in train)
+    first, last = train[0].get("rollout_busy_s", {}), train[-1].get("rollout_busy_s", {})
+    span = train[-1]["time"] - train[0]["time"]
+    tokens = sum(r["num_tokens"] for r in train)
     return {"process_s": t_end - t_launch, "first_step_start_s": first_step_start, "steps": len(train),
-            "loop_s": at[max(at)] - first_step_start, "time_at_step": at, "checkpoints": checkpoints,
+            "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
+            "generated_tokens": tokens, "tokens_per_s": tokens / loop_s,
+            "mean_completion_tokens_by_step": [r["num_tokens"] / max(r["num_samples"], 1) for r in train],
+            "learner_idle_frac": max(0.0, 1 - busy / loop_s),
+            "rollout_idle_frac": {g: max(0.0, 1 - (last[g] - first[g]) / span) for g in last if g in first and span > 0},
             # In-loop evaluations answered by exactly their version (one that ran beside training
             # may have been answered partly by the next weights: learner.eval_overlap).
             "own_eval": {r["version"]: r["accuracy"] for r in rows if r["kind"] == "eval"
@@ -103,25 +137,35 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str]) -> dict[str, Any]:
 
 # --- TRL side ----------------------------------------------------------------------------------
 
-def run_trl(work: Path, warm: Path, generation: str, max_s: float) -> dict[str, Any]:
+def run_trl(work: Path, warm: Path, generation: str, max_s: float, config_path: Path = DEMO,
+            config_overrides: list[str] = ()) -> dict[str, Any]:
+    """TRL's GRPOTrainer on `config_path` (with `config_overrides`, e.g. run.seed=1) in a process of its own."""
     out = work / "trl"
     out.mkdir(parents=True, exist_ok=True)
     t_launch = time.time()
     with open(work / "trl.log", "w") as log:
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(warm), str(out),
-                        "--trl-generation", generation, "--trl-max-s", str(max_s), "--t-launch", repr(t_launch)],
+                        "--trl-generation", generation, "--trl-max-s", str(max_s), "--t-launch", repr(t_launch),
+                        "--config", str(config_path), *(f"--trl-set={o}" for o in config_overrides)],
                        check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
     t_end = time.time()
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     at = {s["step"]: s["t"] for s in steps}
     checkpoints = {int(p.name.removeprefix("step_")): p for p in sorted(out.glob("step_*"))}
     meta = json.loads((out / "meta.json").read_text())
+    loop_s = at[max(at)] - meta["train_start_s"]
+    tokens = sum(meta["completion_lengths"])
+    # One process alternates: while it generates (and scores) nothing trains, and the reverse.
+    gen = meta["generation_s"] / loop_s
     return {"process_s": t_end - t_launch, "first_step_start_s": meta["train_start_s"], "steps": len(steps),
-            "loop_s": at[max(at)] - meta["train_start_s"], "time_at_step": at, "checkpoints": checkpoints,
+            "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
+            "generated_tokens": tokens, "tokens_per_s": tokens / loop_s, "completion_lengths": meta["completion_lengths"],
+            "learner_idle_frac": min(gen, 1.0), "rollout_idle_frac": {"trl": max(0.0, 1 - gen)},
             "excluded_s": meta["excluded_s"], "generation": generation, "stopped_by_cap": meta["stopped_by_cap"]}
 
 
-def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: float) -> None:
+def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: float, config_path: Path = DEMO,
+               config_overrides: list[str] = ()) -> None:
     """One TRL GRPOTrainer run. Times are seconds since the parent launched this process, less the
     time spent writing checkpoints for the evaluator (TRL is not charged for them)."""
     import torch
@@ -132,7 +176,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     from rlmesh.learner.data import load_dataset
     from rlmesh.services.config import load_config
 
-    config = load_config(DEMO)
+    config = load_config(config_path, list(config_overrides))
     if config.algorithm.name != "grpo":
         raise ValueError(f"algorithm.name={config.algorithm.name!r}: this comparison maps only rlmesh's grpo onto TRL "
                          "(loss_type='grpo', scale_rewards='group')")
@@ -141,11 +185,14 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     train_set, _ = load_dataset(config.data, config.run.seed)
     b, g = config.learner.groups_per_step, config.algorithm.group_size
     # rlmesh issues train prompts in data order, cycling (rlmesh.learner.issuer): give TRL that same sequence.
-    order = [train_set[i % len(train_set)] for i in range(config.learner.num_steps * b)]
+    order = [train_set.at(i) for i in range(config.learner.num_steps * b)]
     dataset = Dataset.from_list([{"prompt": ex.prompt_messages, "answer": str(ex.metadata["answer"])} for ex in order])
+    env = environment(config)
+    lengths: list[int] = []  # every sampled completion's token count, in order
 
-    def exact_answer(prompts, completions, answer, **_) -> list[float]:
-        return _rewards([c[-1]["content"] for c in completions], answer)
+    def exact_answer(prompts, completions, answer, completion_ids=None, **_) -> list[float]:
+        lengths.extend(len(ids) for ids in completion_ids or [])
+        return score(env, [c[-1]["content"] for c in completions], answer)[0]
 
     tokenizer = AutoTokenizer.from_pretrained(str(warm))
     model = AutoModelForCausalLM.from_pretrained(str(warm), dtype=torch.float32)
@@ -167,7 +214,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
         logging_steps=EVERY, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         **extra)
 
-    state = {"excluded": 0.0, "train_start": None, "stopped_by_cap": False}
+    state = {"excluded": 0.0, "train_start": None, "stopped_by_cap": False, "generation": 0.0}
     steps_file = (out / "steps.jsonl").open("w")
 
     class Clock(TrainerCallback):
@@ -188,10 +235,21 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=dataset,
                           processing_class=tokenizer, optimizers=(optimizer, schedule), callbacks=[Clock()])
+    generate = trainer._generate_and_score_completions  # the rollout phase of each step (sampling and scoring)
+
+    def timed_generate(*a, **kw):
+        t0 = time.time()
+        try:
+            return generate(*a, **kw)
+        finally:
+            state["generation"] += time.time() - t0
+
+    trainer._generate_and_score_completions = timed_generate
     trainer.train()
     steps_file.close()
     (out / "meta.json").write_text(json.dumps({"train_start_s": state["train_start"], "excluded_s": state["excluded"],
-                                               "stopped_by_cap": state["stopped_by_cap"]}))
+                                               "stopped_by_cap": state["stopped_by_cap"],
+                                               "generation_s": state["generation"], "completion_lengths": lengths}))
 
 
 # --- driver --------------------------------------------------------------------------------------
@@ -199,6 +257,20 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
 def time_to_target(side: dict, accuracy: dict[int, float], target: float) -> tuple[int | None, float | None]:
     hit = [s for s in sorted(accuracy) if s > 0 and accuracy[s] >= target]
     return (hit[0], side["time_at_step"][hit[0]]) if hit else (None, None)
+
+
+def score_side(side: dict, start_acc: float, warm: Path, eval_set: list[Example], max_tokens: int, env: Any,
+               target: float) -> dict[str, Any]:
+    """One side's run with every checkpoint scored by the one evaluator (step 0: the warm start) and
+    its time to `target`."""
+    acc = {0: start_acc, **{s: held_out_accuracy(d, warm, eval_set, max_tokens, env)
+                            for s, d in side.pop("checkpoints").items()}}
+    step, t = time_to_target(side, acc, target)
+    last = max(acc)
+    return {**side, "accuracy": acc, "target_step": step, "time_to_target_s": t, "final_step": last,
+            "final_step_time_s": side["time_at_step"][last], "final_accuracy": acc[last],
+            "steps_per_s": side["steps"] / side["loop_s"],
+            "time_at_step": {s: side["time_at_step"][s] for s in sorted(acc) if s in side["time_at_step"]}}
 
 
 def check_same_prompts(warm: Path, eval_set: list[Example]) -> None:
@@ -263,24 +335,28 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="extra rlmesh overrides (e.g. learner.torch_threads=2)")
     p.add_argument("--trl-worker", nargs=2, metavar=("WARM", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--t-launch", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--trl-set", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, default=DEMO, help="the task's rlmesh config (default: the arithmetic demo)")
     args = p.parse_args()
     if args.trl_worker:
         trl_worker(Path(args.trl_worker[0]), Path(args.trl_worker[1]), args.trl_generation, args.trl_max_s,
-                   args.t_launch)
+                   args.t_launch, args.config, args.trl_set)
         return
 
     from rlmesh.learner.data import load_dataset
     from rlmesh.services.config import load_config
 
-    config = load_config(DEMO)
+    config = load_config(args.config)
+    env = environment(config)
     _, eval_set = load_dataset(config.data, config.run.seed)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rlmesh-trl-"))
     work.mkdir(parents=True, exist_ok=True)
     warm = work / "sft_model"
     t0 = time.time()
     if not (warm / "config.json").is_file():
-        print("warm start: rlmesh sft on the demo config", flush=True)
-        subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "sft", "-c", str(DEMO), "--output", str(warm)],
+        print(f"warm start: rlmesh sft on {args.config}", flush=True)
+        subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "sft", "-c", str(args.config), "--output",
+                        str(warm)],
                        check=True, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sft_s = time.time() - t0
     check_same_prompts(warm, eval_set)
@@ -288,24 +364,17 @@ def main() -> None:
     sides: dict[str, dict] = {}
     if args.only != "trl":
         print("rlmesh: rlmesh up (demo config, warm start shared)", flush=True)
-        sides["rlmesh"] = run_rlmesh(work, warm, args.overrides)
+        sides["rlmesh"] = run_rlmesh(work, warm, args.overrides, args.config)
     if args.only != "rlmesh":
         print(f"TRL: GRPOTrainer, generation={args.trl_generation}", flush=True)
-        sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s)
+        sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s, args.config)
 
     print("scoring every checkpoint with one evaluator (HF greedy)", flush=True)
-    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens)
+    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens, env)
     result: dict[str, Any] = {"target": args.target, "warm_start_accuracy": start_acc, "sft_s": sft_s,
                               "num_eval": len(eval_set), "work": str(work)}
     for name, side in sides.items():
-        acc = {0: start_acc, **{s: held_out_accuracy(d, warm, eval_set, config.rollout.max_tokens)
-                                for s, d in side.pop("checkpoints").items()}}
-        step, t = time_to_target(side, acc, args.target)
-        last = max(acc)
-        result[name] = {**side, "accuracy": acc, "target_step": step, "time_to_target_s": t, "final_step": last,
-                        "final_step_time_s": side["time_at_step"][last], "final_accuracy": acc[last],
-                        "steps_per_s": side["steps"] / side["loop_s"]}
-        result[name]["time_at_step"] = {s: side["time_at_step"][s] for s in sorted(acc) if s in side["time_at_step"]}
+        result[name] = score_side(side, start_acc, warm, eval_set, config.rollout.max_tokens, env, args.target)
 
     report(result, list(sides), args.target)
     if args.json:
