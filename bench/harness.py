@@ -26,8 +26,9 @@ class RolloutHarness:
 
 @asynccontextmanager
 async def rollout_harness(model_dir: Path, tmp: Path, *, rollout: dict | None = None, with_reward: bool = False,
-                          rpc_timeout_s: float = 120.0) -> AsyncIterator[RolloutHarness]:
-    """Yields once the rollout server has registered with the stand-in learner."""
+                          rpc_timeout_s: float = 120.0, config: dict | None = None) -> AsyncIterator[RolloutHarness]:
+    """Yields once the rollout server has registered with the stand-in learner. `config`: more
+    top-level sections of the servers' config (e.g. {"learner": {"lora": ...}} to serve an adapter)."""
     import yaml
 
     from rlmesh.learner.membership import LearnerService, Membership
@@ -44,7 +45,7 @@ async def rollout_harness(model_dir: Path, tmp: Path, *, rollout: dict | None = 
     reward_port = free_port()
     cfg = {"model": {"type": "hf", "path": str(model_dir)}, "queue": {"url": valkey.connection_url},
            "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
-           "rollout": rollout or {}}
+           "rollout": rollout or {}, **(config or {})}
     (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cli = [sys.executable, "-m", "rlmesh.entrypoints.cli"]

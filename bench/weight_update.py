@@ -1,16 +1,19 @@
 """Weight update: how long from the learner's new version to a rollout server serving it, against
 a raw torch.distributed broadcast of the same bytes.
 
-measured: the learner's real broadcaster (gloo transport) into a real `rlmesh rollout` (vLLM):
-          PauseGeneration -> StartWeightUpdate -> UpdateWeights + bucketed send -> FinishWeightUpdate
-          (vLLM's layerwise reload) -> digest verification -> ResumeGeneration, once per digest
-          algorithm (`--digests blake3,sha256`: the default, and what an older peer gets).
+measured: the learner's real broadcaster (gloo transport) into a real `rlmesh rollout` (vLLM), the
+          single-call update (one UpdateWeights per server carrying pause, start, receive, finish with
+          vLLM's layerwise reload, resume) with the digest verified, once per digest algorithm
+          (`--digests blake3,sha256`: the default, and what an older peer gets). Two times: `send`
+          (what the learner's next training step waits for: `WeightBroadcaster.send` returns once
+          the bytes are sent) and `update` (until `settled()`: every server replied, digest checked).
 baseline: a plain gloo broadcast of the same buckets (same layout, same bytes, two in flight, no
           digest on either side) from this process to a second plain process on the same machine
           (the vLLM worker process cannot be reused for it, so a fresh process stands in).
-For the tiny demo model and a locally built Qwen2 of >= 100M parameters (no LoRA adapter row: the
-learner trains full weights only). Run:
-python bench/weight_update.py [--sizes tiny,100m --rounds 3 --digests blake3,sha256]"""
+Rows: the tiny demo model and a locally built Qwen2 of >= 100M parameters (full weights), and a LoRA
+adapter (`--lora 100m:16`: the learner's FSDP2 + peft backend in this process, learner.lora.rank 16,
+streaming only the adapter to a rollout server serving it with vLLM's LoRA). Run:
+python bench/weight_update.py [--sizes tiny,100m --lora 100m:16 --rounds 3 --digests blake3,sha256]"""
 
 from __future__ import annotations
 
@@ -79,21 +82,24 @@ def raw_broadcaster(named, rounds: int, tmp: Path):
     return timed_send, lambda: child.wait(timeout=120)
 
 
-async def mesh_broadcast(model_dir: Path, named, rounds: int, tmp: Path, digests: list[str]
-                         ) -> tuple[list[float], dict[str, list[dict]]]:
-    """Each round: one raw broadcast, then one update per digest algorithm (interleaved, so a
-    change in the machine's load hits both sides alike)."""
+async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path, digests: list[str],
+                         config: dict | None = None) -> tuple[list[float], dict[str, list[dict]]]:
+    """Each round: one raw broadcast of `named`, then one update of `source` (the same bytes) per
+    digest algorithm (interleaved, so a change in the machine's load hits both sides alike). Each
+    update's `send_s` is what the learner's training step waits for (`WeightBroadcaster.send`);
+    `update_s` runs until `settled()`: every server has loaded, finished and resumed, digest checked."""
     from bench.harness import rollout_harness
-    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+    from rlmesh.learner.broadcast import WeightBroadcaster
     from rlmesh.services.config import WeightSyncSection
     from rlmesh.services.weights.base import build_sender
 
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)
 
-    async with rollout_harness(model_dir, tmp, rollout={"max_model_len": 128, "kv_cache_gib": 1}) as h:
+    async with rollout_harness(model_dir, tmp, rollout={"max_model_len": 128, "kv_cache_gib": 1},
+                               config=config) as h:
         raw_send, raw_close = raw_broadcaster(named, rounds + 1, tmp)
-        source, version = WeightSource.of(named), 0
+        version = 0
         senders = {algorithm: build_sender(WeightSyncSection(timeout_s=300, digest_algorithm=algorithm))
                    for algorithm in digests}
         raw, out = [], {algorithm: [] for algorithm in digests}
@@ -109,18 +115,78 @@ async def mesh_broadcast(model_dir: Path, named, rounds: int, tmp: Path, digests
                 broadcaster.epoch = version  # a fresh epoch each time
                 await broadcaster._rebuild()
                 assert broadcaster.digest_algorithm == algorithm
+                assert broadcaster.single_call, "the rollout server did not take the single-call update"
                 version += 1
-                metrics = await broadcaster.broadcast(version, source)
+                t0 = time.perf_counter()
+                metrics = await broadcaster.send(version, source)
+                send_s = time.perf_counter() - t0
+                metrics.update(await broadcaster.settled())
+                update_s = time.perf_counter() - t0
                 assert broadcaster.verified_versions[-1] == version
                 if r:
-                    out[algorithm].append(metrics)
+                    out[algorithm].append({**metrics, "send_s": send_s, "update_s": update_s})
         raw_close()
         return raw, out
 
 
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def summarize(raw: list[float], by_digest: dict[str, list[dict]], **facts) -> dict[str, dict]:
+    raw_s, rows = median(raw), {}
+    for algorithm, mesh in by_digest.items():
+        send_s, update_s = median([m["send_s"] for m in mesh]), median([m["update_s"] for m in mesh])
+        phases = {k.removeprefix("broadcast_").removesuffix("_s"): median([m[k] for m in mesh])
+                  for k in mesh[0] if k.startswith("broadcast_") and k.endswith("_s") and k != "broadcast_s"}
+        rows[algorithm] = {**facts, "raw_s": raw_s, "raw_all_s": raw, "send_s": send_s, "update_s": update_s,
+                           "update_all_s": [m["update_s"] for m in mesh], "send_ratio": send_s / raw_s,
+                           "ratio": update_s / raw_s, "phases_s": phases,
+                           # each round's update over the raw broadcast run just before it (same load)
+                           "paired_ratio": median([m["update_s"] / r for m, r in zip(mesh, raw)])}
+    return rows
+
+
+def lora_row(size: str, rank: int, rounds: int, digests: list[str]) -> dict[str, dict]:
+    """The learner with learner.lora (FSDP2 + peft, in this process) pushing its adapter to a rollout
+    server serving it (vLLM with LoRA), against a raw broadcast of the same adapter tensors."""
+    import torch
+
+    from rlmesh.learner.broadcast import WeightSource
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.services.config import TinyModelSection, load_config
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"rlmesh-wu-lora-{size}-"))
+    model_dir = write_tiny_model(TinyModelSection(**SIZES[size]), tmp / "model", seed=0)
+    lora = {"rank": rank, "alpha": 2.0 * rank}
+    config = load_config(None, ["model.type=hf", f"model.path={model_dir}", "learner.torch_threads=1",
+                                f"learner.lora.rank={rank}", f"learner.lora.alpha={lora['alpha']}"])
+    trainer = Trainer(config, str(model_dir), pad_id=0)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained adapter's lora_B is not zero (the same bytes either way)
+        for name, p in trainer.backend.model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.01)
+    model_bytes = sum(p.numel() * p.element_size() for n, p in trainer.backend.model.named_parameters()
+                      if ".lora_" not in n)
+    source = WeightSource(trainer.weight_metas, trainer.stream_weights)
+    t0 = time.perf_counter()
+    named = [(n, t.detach().clone()) for n, t in trainer.stream_weights()]
+    stream_s = time.perf_counter() - t0  # the learner gathering its adapter out of FSDP2 (part of `send`)
+    adapter_bytes = sum(t.numel() * t.element_size() for _, t in named)
+    raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, source, rounds, tmp, digests,
+                                                config={"learner": {"lora": lora}}))
+    facts = {"params": sum(t.numel() for _, t in named), "mib": adapter_bytes / 2**20, "bytes": adapter_bytes,
+             "model_bytes": model_bytes, "adapter_fraction": adapter_bytes / model_bytes, "stream_s": stream_s,
+             "tensors": len(named)}
+    return {f"lora{rank}-{size}/{a}": row for a, row in summarize(raw, by_digest, **facts).items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="tiny,100m")
+    p.add_argument("--sizes", default="tiny,100m", help="full-weight rows (tiny, 100m); '' for none")
+    p.add_argument("--lora", default="100m:16", help="LoRA rows as size:rank (comma-separated); '' for none")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--digests", default="blake3,sha256", help="weight_sync.digest_algorithm values to measure")
     p.add_argument("--json", help="also write the results here")
@@ -130,10 +196,12 @@ def main() -> None:
     import torch
 
     from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.learner.broadcast import WeightSource
     from rlmesh.services.config import TinyModelSection
 
+    digests = args.digests.split(",")
     results, load_before = {}, os.getloadavg()
-    for size in args.sizes.split(","):
+    for size in filter(None, args.sizes.split(",")):
         tmp = Path(tempfile.mkdtemp(prefix=f"rlmesh-wu-{size}-"))
         model_dir = write_tiny_model(TinyModelSection(**SIZES[size]), tmp / "model", seed=0)
         from transformers import AutoModelForCausalLM
@@ -143,27 +211,29 @@ def main() -> None:
             for param in model.parameters():
                 param.mul_(1.001)
         named = list(model.state_dict().items())
-        num_params = sum(t.numel() for _, t in named)
-        mib = sum(t.numel() * t.element_size() for _, t in named) / 2**20
-        raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, args.rounds, tmp, args.digests.split(",")))
-        raw_s = sorted(raw)[len(raw) // 2]
-        for algorithm, mesh in by_digest.items():
-            total_s = sorted(m["broadcast_s"] for m in mesh)[len(mesh) // 2]
-            send_s = sorted(m["broadcast_send_s"] for m in mesh)[len(mesh) // 2]
-            phases = {k.removeprefix("broadcast_").removesuffix("_s"): sorted(m[k] for m in mesh)[len(mesh) // 2]
-                      for k in mesh[0] if k.startswith("broadcast_") and k.endswith("_s") and k != "broadcast_s"}
-            results[f"{size}/{algorithm}"] = {"params": num_params, "mib": mib, "raw_s": raw_s, "update_s": total_s,
-                                              "send_s": send_s, "ratio": total_s / raw_s, "phases_s": phases}
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, WeightSource.of(named), args.rounds, tmp,
+                                                    digests))
+        facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes}
+        results.update({f"{size}/{a}": row for a, row in summarize(raw, by_digest, **facts).items()})
         del model, named
-    print(f"\n{'model/digest':14s} {'params':>10s} {'MiB':>7s} {'raw bcast s':>12s} {'update s':>9s} {'(send s)':>9s} "
-          f"{'ratio':>6s}")
-    for size, r in results.items():
-        print(f"{size:14s} {r['params']:>10,d} {r['mib']:7.0f} {r['raw_s']:12.3f} {r['update_s']:9.3f} "
-              f"{r['send_s']:9.3f} {r['ratio']:6.2f}")
-    for size, r in results.items():
-        print(f"{size}: median phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in r["phases_s"].items()))
-    print("update = new version -> serving it (control RPCs + transfer + load into vLLM + digest check); "
-          "target ratio <= 1.25")
+    for spec in filter(None, args.lora.split(",")):
+        size, rank = spec.split(":")
+        results.update(lora_row(size, int(rank), args.rounds, digests))
+    print(f"\n{'model/digest':18s} {'params':>11s} {'MiB':>7s} {'raw bcast s':>12s} {'send s':>8s} {'update s':>9s} "
+          f"{'send/raw':>9s} {'update/raw':>11s} {'paired':>7s}")
+    for name, r in results.items():
+        print(f"{name:18s} {r['params']:>11,d} {r['mib']:7.1f} {r['raw_s']:12.4f} {r['send_s']:8.4f} "
+              f"{r['update_s']:9.4f} {r['send_ratio']:9.2f} {r['ratio']:11.2f} {r['paired_ratio']:7.2f}")
+    for name, r in results.items():
+        print(f"{name}: median phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in r["phases_s"].items())
+              + f"; raw rounds {[round(x, 4) for x in r['raw_all_s']]}, updates {[round(x, 4) for x in r['update_all_s']]}")
+        if "model_bytes" in r:
+            print(f"{name}: adapter {r['bytes']:,d} bytes = {100 * r['adapter_fraction']:.2f}% of the base model's "
+                  f"{r['model_bytes']:,d}; {r['tensors']} tensors, gathered out of FSDP2 in {r['stream_s']:.3f} s")
+    print("send = what the training step waits for (WeightBroadcaster.send: control call out, bytes sent); "
+          "update = until settled (every server loaded, finished, resumed; digest checked): the issue's ratio, "
+          "target update/raw <= 1.25; paired = median over rounds of update / that round's raw")
     print(f"load average (1, 5, 15 min) at start {load_before}, at end {os.getloadavg()} on {os.cpu_count()} cores")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
