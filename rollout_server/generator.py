@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlmesh.domain.chat import ChatCodec, as_dicts
@@ -41,6 +42,18 @@ def configure_vllm_env(cfg: RolloutSection) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.cpu_cores)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM-CPU compiles its sampler ops with inductor (C++) on the first batch, even with
+    # enforce_eager: keep the artifacts where the next run finds them (torch's default is under
+    # /tmp, a tmpfs in the containers), so only the first run on a machine pays for the compile.
+    # Torch's default stays where the home directory cannot be written.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        cache = Path.home() / ".cache" / "rlmesh" / "inductor"
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            if os.access(cache, os.W_OK):
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+        except OSError:
+            pass
     # The whole server, not only the worker's OpenMP threads: vLLM's engine-core and front-end
     # processes would otherwise take turns with the learner on its cores.
     pin_to_cores(cfg.cpu_cores, "rollout.cpu_cores")
