@@ -17,7 +17,9 @@ from rlmesh.services.weights.base import build_receiver
 from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
-def test_placeholder_weights_are_no_learner_version():
+async def test_placeholder_weights_are_no_learner_version():
+    # async: VLLMGenerator binds asyncio primitives to the running loop (a sync test has none once
+    # other tests have run on the session loop)
     normal = VLLMGenerator("model", RolloutSection(), 0, "gloo")
     held = VLLMGenerator("model", RolloutSection(), 0, "gloo", placeholder=True)
     membership = Membership(token=None, rpc_timeout_s=5)
