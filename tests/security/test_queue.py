@@ -10,7 +10,8 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from rlmesh.entrypoints.up import Mesh, _pass_secrets
+from rlmesh.entrypoints.processes import Mesh
+from rlmesh.entrypoints.up import _pass_secrets
 from rlmesh.services.config import dump_config, load_config
 from rlmesh.services.queue import StreamQueue, connect_queue
 

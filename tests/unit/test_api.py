@@ -270,7 +270,8 @@ metrics.write(json.dumps({"kind": "eval", "version": version, "accuracy": 0.75})
 
 
 def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(tmp_path):
-    from rlmesh.entrypoints.up import Mesh, Service, _watch
+    from rlmesh.entrypoints.processes import Mesh, Service
+    from rlmesh.entrypoints.up import _watch
     from rlmesh.learner.stop import mark_seen
 
     (tmp_path / "learner.py").write_text(FAKE_LEARNER)

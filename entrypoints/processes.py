@@ -1,0 +1,107 @@
+"""The processes of a local mesh: each service in its own session (stopping its process group stops
+what it started: vLLM's engine, torchrun's ranks), its log file, restarts, and a stop that returns only
+once every group is empty. `rlmesh up`, `rlmesh eval` and `rlmesh.train` run their services through it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("rlmesh.up")
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    argv: list[str]
+    launcher: list[str] | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # when a crashed service is due to be started again
+
+    def tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class Mesh:
+    def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.run_dir = run_dir
+        self.env = env  # extra environment of every service (e.g. PYTHONPATH for a user's reward function)
+        self.services: list[Service] = []
+        self.valkey = None
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, argv: list[str], launcher: list[str] | None = None) -> Service:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        # Own session: stopping the service's process group also stops its children (vLLM's engine,
+        # torchrun's ranks).
+        svc = Service(name, self._popen(argv, launcher, log_path, self.env), log_path, argv, launcher)
+        self.services.append(svc)
+        log.info("started %s (pid %d), log: %s", name, svc.proc.pid, log_path)
+        return svc
+
+    @staticmethod
+    def _popen(argv: list[str], launcher: list[str] | None, log_path: Path,
+               env: dict[str, str] | None) -> subprocess.Popen:
+        cmd = [sys.executable, *(launcher or []), "-m", "rlmesh.entrypoints.cli", *argv]
+        return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=os.getcwd(), env={**os.environ, **env} if env else None)
+
+    def restart(self, svc: Service) -> None:
+        signal_group(svc.proc, signal.SIGKILL)  # whatever the dead service left behind (vLLM's engine)
+        svc.restarts += 1
+        svc.restart_at = None
+        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path, self.env)
+        log.warning("restarted %s (pid %d, restart %d)", svc.name, svc.proc.pid, svc.restarts)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for svc in reversed(self.services):
+            if svc.proc.poll() is None:
+                signal_group(svc.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for svc in self.services:
+            try:
+                svc.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", svc.name, grace_s)
+        # Whatever is left in any service's process group (stragglers, engine children) is killed.
+        for svc in self.services:
+            signal_group(svc.proc, signal.SIGKILL)
+            try:
+                svc.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        # SIGKILL is delivered asynchronously: return only once every group is empty, so nothing a
+        # service started is still exiting after `rlmesh up` (or `rlmesh.train`) has returned.
+        deadline = time.monotonic() + 5.0
+        while any(group_alive(svc.proc) for svc in self.services) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.valkey is not None:
+            self.valkey.stop()
+            self.valkey = None
+
+
+def group_alive(proc: subprocess.Popen) -> bool:
+    try:
+        os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
