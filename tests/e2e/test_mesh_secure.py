@@ -51,7 +51,8 @@ def test_a_run_under_mutual_tls_trains_and_leaves_no_secret_in_the_run_directory
         proc.kill()
     output = (tmp_path / "up.out").read_text(errors="replace")
     assert proc.wait(timeout=30) == 0, output[-4000:]
-    assert "3 broadcasts verified by digest; rollout weights == learner weights" in output
+    # 4: the SFT weights (version 0, sent to rollout servers that started on the pre-SFT model) and 3 steps
+    assert "4 broadcasts verified by digest; rollout weights == learner weights" in output
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
     assert "PERMISSION_DENIED" not in logs and "UNAUTHENTICATED" not in logs
     assert set(secrets) == {"RLMESH_TOKEN", "RLMESH_QUEUE_PASSWORD"}, "the services got both secrets"
