@@ -52,7 +52,7 @@ compose-down:
 	deploy/docker/stack.sh down
 
 demo: setup
-	$(VENV)/bin/rlmesh up -c examples/arithmetic_grpo.yaml
+	$(VENV)/bin/rlmesh up -c examples/reasoning_grpo.yaml
 
 bench: bench-setup  # every benchmark side by side with its baseline; one table in bench/results/
 	$(PY) bench/run_all.py $(BENCH_ARGS)
