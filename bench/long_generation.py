@@ -1,5 +1,7 @@
-"""Long generations (issue 23 item 1): the reasoning demo (examples/reasoning_grpo.yaml, read at run
-time: word problems answered with their working, scored by the `math` environment) trained from one
+"""Long generations (issue 23 item 1): the long-tail reasoning task (examples/reasoning_long_grpo.yaml,
+read at run time: running-count problems of 3-45 steps answered with their working, 67-969 tokens,
+mean ~220, scored by the `math` environment; `--config examples/reasoning_grpo.yaml` runs the ~48-token
+reasoning demo instead) trained from one
 SFT warm start per seed by rlmesh at max_staleness 0, 1 and 2 and by TRL's GRPOTrainer, with the
 config's model, data, reward, group size, prompts per step, learning rate and schedule, sampling
 temperature and completion budget on every side (bench/trl_vs_rlmesh.py's runners and evaluator).
@@ -14,8 +16,9 @@ held-out greedy accuracy (one HF-greedy evaluator for all sides, the environment
 the target; generated completion tokens per second of the RL loop; the learner's idle fraction (loop
 time outside its training step and weight send; TRL: time generating) and the rollout side's (vLLM
 engine with no request in flight or paused, from each server's busy clock; TRL: time not
-generating); the completion-length distribution (TRL: every sampled completion; rlmesh's metrics
-record the tokens per step, so its row is the distribution of per-step mean lengths).
+generating); the completion-length distribution over every sampled completion (rlmesh: each step
+record's `completion_tokens`; from metrics without them, the per-step mean lengths). TRL's
+max_completion_length is the config's rollout.max_tokens.
 
 The target is relative by default (warm-start accuracy + --gain, at most 1.0): the warm start's
 accuracy moves with the seed and with the config's SFT settings, so a fixed number could be met at
@@ -37,7 +40,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-REASONING = REPO / "examples" / "reasoning_grpo.yaml"
+LONG_TAIL = REPO / "examples" / "reasoning_long_grpo.yaml"
 SIDES = ("k0", "k1", "k2", "trl")
 
 from bench.trl_vs_rlmesh import (_env, check_same_prompts, environment, held_out_accuracy,  # noqa: E402
@@ -87,14 +90,16 @@ def _load() -> str:
 
 
 def lengths(side: dict) -> dict[str, float]:
-    """mean, p50, p90, max of TRL's sampled completion lengths, or of rlmesh's per-step mean lengths."""
+    """mean, p50, p90, p99, max of the sampled completion lengths (or of per-step mean lengths, from
+    rlmesh metrics that do not record each sample's)."""
     xs = sorted(side.get("completion_lengths") or side.get("mean_completion_tokens_by_step") or [0])
-    return {"mean": statistics.mean(xs), "p50": xs[len(xs) // 2], "p90": xs[int(0.9 * (len(xs) - 1))], "max": xs[-1]}
+    return {"mean": statistics.mean(xs), **{f"p{q}": xs[int(q / 100 * (len(xs) - 1))] for q in (50, 90, 99)},
+            "max": xs[-1]}
 
 
 def report(seeds: list[dict]) -> dict[str, Any]:
     print(f"\n{'seed':>4} {'side':4} {'to target':>10} {'step':>5} {'start-up':>8} {'tok/s':>7} {'lrn idle':>8} "
-          f"{'roll idle':>9} {'len mean/p50/p90/max':>22} {'final':>6}  accuracy by step")
+          f"{'roll idle':>9} {'len mean/p50/p90/p99/max':>26} {'final':>6}  accuracy by step")
     for r in seeds:
         for side in SIDES:
             if side not in r:
@@ -102,10 +107,10 @@ def report(seeds: list[dict]) -> dict[str, Any]:
             s, ln = r[side], lengths(r[side])
             ttt = f"{s['time_to_target_s']:.0f}s" if s["time_to_target_s"] is not None else f">{s['final_step_time_s']:.0f}s"
             idle = " ".join(f"{v:.2f}" for v in s["rollout_idle_frac"].values()) or "-"
-            dist = f"{ln['mean']:.1f}/{ln['p50']:.0f}/{ln['p90']:.0f}/{ln['max']:.0f}"
+            dist = f"{ln['mean']:.1f}/{ln['p50']:.0f}/{ln['p90']:.0f}/{ln['p99']:.0f}/{ln['max']:.0f}"
             curve = " ".join(f"{k}:{a:.2f}" for k, a in sorted(s["accuracy"].items()))
             print(f"{r['seed']:>4} {side:4} {ttt:>10} {s['target_step']!s:>5} {s['first_step_start_s']:7.0f}s "
-                  f"{s['tokens_per_s']:7.0f} {s['learner_idle_frac']:8.2f} {idle:>9} {dist:>22} "
+                  f"{s['tokens_per_s']:7.0f} {s['learner_idle_frac']:8.2f} {idle:>9} {dist:>26} "
                   f"{s['final_accuracy']:6.2f}  {curve}")
         print(f"     seed {r['seed']}: warm start {r['warm_start_accuracy']:.2f}, target {r['target']:.2f}, "
               f"load {r['load_before']} -> {r.get('trl', r.get('k0', {})).get('load_after', '?')}")
@@ -137,7 +142,8 @@ def report(seeds: list[dict]) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=REASONING, help="the task (default: the reasoning demo)")
+    p.add_argument("--config", type=Path, default=LONG_TAIL,
+                   help="the task (default: the long-tail reasoning task; examples/reasoning_grpo.yaml: the demo)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--only", default=",".join(SIDES), help=f"comma-separated sides among {','.join(SIDES)}")
     p.add_argument("--gain", type=float, default=0.2, help="target = warm-start accuracy + this (at most 1.0)")

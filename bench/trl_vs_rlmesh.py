@@ -127,6 +127,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
             "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
             "generated_tokens": tokens, "tokens_per_s": tokens / loop_s,
             "mean_completion_tokens_by_step": [r["num_tokens"] / max(r["num_samples"], 1) for r in train],
+            "completion_lengths": [n for r in train for n in r.get("completion_tokens", [])],  # per sample
             "learner_idle_frac": max(0.0, 1 - busy / loop_s),
             "rollout_idle_frac": {g: max(0.0, 1 - (last[g] - first[g]) / span) for g in last if g in first and span > 0},
             # In-loop evaluations answered by exactly their version (one that ran beside training

@@ -275,6 +275,7 @@ class Controller:
         record = {
             "kind": "train", "version": self.version, "reward_mean": sum(s.reward for s in samples) / len(samples),
             "num_groups": len(groups), "num_samples": len(samples), "num_tokens": num_tokens,
+            "completion_tokens": [len(s.completion.token_ids) for s in samples],  # each sample's length
             "tokens_per_s": num_tokens / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
             "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages), "max_staleness": self.k,
             "staleness_counts": {str(age): n for age, n in sorted(Counter(ages).items())},

@@ -13,12 +13,20 @@ A solution reads "Buy 4: 3 + 4 = 7. Give 2: 7 - 2 = 5. \\boxed{5}" (about 45 cha
 tokens: the tiny model's tokenizer is one token a byte). Deterministic: the same files every run,
 so they are committed.
 
-    python scripts/make_reasoning_data.py [--output DIR] [--num-train N] [--num-test N] [--seed S]
+`--long` writes examples/data/reasoning_long instead (examples/reasoning_long_grpo.yaml, the
+long-generation benchmark's task): one running count through a long-tailed number of steps
+(`long_steps`: half the problems 3-5 steps, one in ten over 20, capped at 45), so worked answers run
+from ~60 to ~1,000 tokens. Each step's label repeats the question's phrase ("sells 3: 12 - 3 = 9.")
+and the count stays within 0-20, so a longer answer is the same skill repeated, not a harder one.
+
+    python scripts/make_reasoning_data.py [--long] [--output DIR] [--num-train N] [--num-test N] [--seed S]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+import sys
 from collections.abc import Callable
 
 from sample_data import generate
@@ -81,7 +89,7 @@ def working(steps: list[tuple[str, int, str, int]]) -> tuple[list[str], list[int
 def row(problem: Problem) -> dict[str, str]:
     question, steps = problem
     lines, results = working(steps)
-    answer, early = results[-1], results[0]
+    answer, early = results[-1], results[-2]
     gsm8k = "\n".join([*lines, f"#### {answer}"])
     return {"question": question, "answer": gsm8k, "final": str(answer),
             "solution": " ".join([*lines, f"\\boxed{{{answer}}}"]),
@@ -99,9 +107,51 @@ def make_rows(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, st
     return rows
 
 
+GAINS, LOSSES = ["buys", "finds", "gets"], ["sells", "loses", "gives"]
+LONG_MIN_STEPS, LONG_MAX_STEPS, LONG_MAX_COUNT = 3, 45, 20
+
+
+def long_steps(rng: random.Random) -> int:
+    """A Pareto (Zipf-like) draw: P(more than n steps) = (3/n)^1.1, capped at LONG_MAX_STEPS."""
+    return min(LONG_MAX_STEPS, int(LONG_MIN_STEPS * rng.paretovariate(1.1)))
+
+
+def running_count(rng: random.Random) -> Problem:
+    """A count changed by `long_steps` gains and losses of 1-9, kept within 0..LONG_MAX_COUNT."""
+    (name, he), item = rng.choice(NAMES), rng.choice(ITEMS)
+    count = start = rng.randint(2, 9)
+    steps, phrases = [], []
+    for _ in range(long_steps(rng)):
+        gain = count < 2 or (count + 1 <= LONG_MAX_COUNT and rng.random() < 0.5)
+        by = rng.randint(1, min(9, LONG_MAX_COUNT - count) if gain else min(9, count))
+        phrase = f"{rng.choice(GAINS if gain else LOSSES)} {by}"
+        steps.append((phrase, count, "+" if gain else "-", by))
+        phrases.append(phrase)
+        count += by if gain else -by
+    return (f"{name} has {start} {item}. Then {he.lower()} {', '.join(phrases)}. How many {item} are left?", steps)
+
+
+def make_long_rows(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, str]]:
+    rows = []
+    while len(rows) < num:
+        problem = running_count(rng)
+        if problem[0] in seen:
+            continue
+        seen.add(problem[0])
+        rows.append(row(problem))
+    return rows
+
+
 def main() -> None:
-    generate(__doc__.split("\n\n")[0], make_rows, default_output="examples/data/reasoning", num_train=2000,
-             test_first=True)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--long", action="store_true")
+    args, sys.argv[1:] = pre.parse_known_args()
+    if args.long:
+        generate(__doc__.split("\n\n")[3], make_long_rows, default_output="examples/data/reasoning_long",
+                 num_train=600, jsonl=False)
+    else:
+        generate(__doc__.split("\n\n")[0], make_rows, default_output="examples/data/reasoning", num_train=2000,
+                 test_first=True)
 
 
 if __name__ == "__main__":
