@@ -327,7 +327,8 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
 
     run_dir = Path(args.run_dir)
     setup_logging("learner", config.logging.level, fmt=config.logging.format,
-                  trace_file=config.logging.trace_file, run_dir=run_dir)
+                  trace_file=config.logging.trace_file,
+                  sample_ratio=config.logging.trace_sample_ratio, run_dir=run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     port = args.port if args.port is not None else int(config.network.learner_address.rsplit(":", 1)[1])
     controller, server = await build_controller(config, run_dir, port)

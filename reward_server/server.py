@@ -31,7 +31,8 @@ SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 
 async def serve(config: RunConfig, port: int) -> None:
     log = setup_logging("reward", config.logging.level, fmt=config.logging.format,
-                        trace_file=config.logging.trace_file)
+                        trace_file=config.logging.trace_file,
+                        sample_ratio=config.logging.trace_sample_ratio)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_config(config.network, "reward")
     section = config.reward

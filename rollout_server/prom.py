@@ -50,10 +50,22 @@ def register(generator: VLLMGenerator, worker: RolloutWorker) -> None:
     REGISTRY.register(RolloutCollector(generator, worker))
 
 
-def engine_stats_logger() -> Any:
+def engine_stats_logger(vllm_metrics: bool = False) -> Any:
     """A vLLM stat logger class copying the scheduler's numbers into the gauges above (vLLM is
-    imported here, not at module import: the metrics module stays light)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
+    imported here, not at module import: the metrics module stays light).
+
+    vLLM adds its own Prometheus logger (the `vllm:*` series: a dozen histograms observed per
+    request and per engine step) beside any custom one, unless the custom one is a
+    PrometheusStatLogger. On the small models the rollout tier often serves, that per-step
+    bookkeeping is a measurable share of the front-end's CPU, so by default this logger takes its
+    place (`logging.vllm_metrics: true` keeps vLLM's series as well)."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
+
+    def copy(scheduler_stats: Any) -> None:
+        if scheduler_stats is not None:
+            RUNNING.set(scheduler_stats.num_running_reqs)
+            WAITING.set(scheduler_stats.num_waiting_reqs)
+            KV_CACHE.set(scheduler_stats.kv_cache_usage)
 
     class EngineStats(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -61,12 +73,31 @@ def engine_stats_logger() -> Any:
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                RUNNING.set(scheduler_stats.num_running_reqs)
-                WAITING.set(scheduler_stats.num_waiting_reqs)
-                KV_CACHE.set(scheduler_stats.kv_cache_usage)
+            copy(scheduler_stats)
 
         def log_engine_initialized(self) -> None:
             pass
 
-    return EngineStats
+    class EngineStatsOnly(PrometheusStatLogger):
+        """In place of vLLM's Prometheus logger: none of its series, only the three gauges above."""
+
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            pass  # PrometheusStatLogger.__init__ would register the vllm:* series
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            copy(scheduler_stats)
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
+
+        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
+
+    return EngineStats if vllm_metrics else EngineStatsOnly

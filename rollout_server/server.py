@@ -108,7 +108,8 @@ async def watch_health(server, generator: VLLMGenerator, worker: RolloutWorker, 
 
 async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     log = setup_logging("rollout", config.logging.level, fmt=config.logging.format,
-                        trace_file=config.logging.trace_file)
+                        trace_file=config.logging.trace_file,
+                        sample_ratio=config.logging.trace_sample_ratio)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_config(config.network, "rollout")
     check_can_serve(config.network.host, token=token, tls=tls, insecure=config.network.insecure)  # before vLLM loads
@@ -127,7 +128,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     if config.logging.metrics_port is not None:
         from rlmesh.rollout_server.prom import engine_stats_logger
 
-        generator.stat_loggers.append(engine_stats_logger())
+        generator.stat_loggers.append(engine_stats_logger(config.logging.vllm_metrics))
     await generator.start()
     if placeholder:
         generator.start_warm_up()

@@ -127,5 +127,9 @@ class LoggingSection(Section):
     """MLflow experiment the run is logged under."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus /metrics port of every service, on network.host (0: any free port; ports written to `<run_dir>/metrics_ports/`; None: off)."""
+    vllm_metrics: bool = False
+    """Also serve vLLM's own `vllm:*` series on the rollout servers' /metrics (latency histograms per request; costs front-end CPU every engine step)."""
+    trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of prompt groups traced, decided where a group's trace starts and followed by every tier (the SDK's OTEL_TRACES_SAMPLER overrides)."""
     trace_file: bool = False
     """Also write every span as one JSON object per line to `<run_dir>/traces/<service>-<pid>.jsonl` (OTLP is used when OTEL_EXPORTER_OTLP_ENDPOINT is set)."""

@@ -166,6 +166,8 @@ def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monke
         first["rollout"]["rlmesh_rollout_generated_tokens_total"]
     assert 'rlmesh_queue_lag{stream="prompts"}' in second["learner"]
     assert any(k.startswith("rlmesh_learner_staleness_versions_bucket") for k in second["learner"])
+    assert "rlmesh_rollout_running_sequences" in second["rollout"]  # from the engine's scheduler stats
+    assert not [k for k in second["rollout"] if k.startswith("vllm:")]  # vLLM's own series: logging.vllm_metrics
     assert 'rlmesh_rollout_samples_total{finish_reason="stop"}' in second["rollout"] or \
         'rlmesh_rollout_samples_total{finish_reason="length"}' in second["rollout"]
     calls = {k: v for k, v in second["reward"].items() if k.startswith("rlmesh_reward_env_calls_total")}

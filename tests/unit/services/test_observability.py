@@ -52,3 +52,24 @@ def test_json_logs_carry_the_span_group_id_version_and_trace_id(tmp_path):
     spans = [json.loads(line) for line in (tmp_path / "traces" / "rollout.jsonl").read_text().splitlines()]
     assert [(s["name"], s["context"]["trace_id"], s["attributes"][GROUP_ID]) for s in spans] == \
         [("generate", "0x" + trace_id, "run/train/1/a")]
+
+
+def test_trace_sampling_is_decided_where_a_trace_starts_and_followed_downstream(monkeypatch):
+    from opentelemetry import propagate
+
+    from rlmesh.services.telemetry import trace_sampler
+
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    none, every = TracerProvider(sampler=trace_sampler(0.0)), TracerProvider(sampler=trace_sampler(1.0))
+    with every.get_tracer("t").start_as_current_span("issue") as root:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)  # a sampled group's context, as the learner writes it into a prompt
+        assert root.is_recording() and int(carrier["traceparent"][-2:], 16) & 1  # the sampled flag
+    assert not none.get_tracer("t").start_span("issue").is_recording()  # ratio 0: roots not traced
+    # ...but a tier at ratio 0 still records a group whose trace was sampled where it started
+    assert none.get_tracer("t").start_span("generate", context=propagate.extract(carrier)).is_recording()
+    unsampled = {"traceparent": carrier["traceparent"][:-2] + "00"}  # a group not sampled where it started
+    assert not every.get_tracer("t").start_span("generate", context=propagate.extract(unsampled)).is_recording()
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    assert trace_sampler(1.0) is None  # the SDK's own variable wins
+
