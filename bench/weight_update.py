@@ -4,16 +4,19 @@ a raw torch.distributed broadcast of the same bytes.
 measured: the learner's real broadcaster (gloo transport) into a real `rlmesh rollout` (vLLM), the
           single-call update (one UpdateWeights per server carrying pause, start, receive, finish with
           vLLM's layerwise reload, resume) with the digest verified, once per digest algorithm
-          (`--digests blake3,sha256`: the default, and what an older peer gets). Two times: `send`
-          (what the learner's next training step waits for: `WeightBroadcaster.send` returns once
-          the bytes are sent) and `update` (until `settled()`: every server replied, digest checked).
+          (`--digests blake3,sha256`: the default, and what an older peer gets), with
+          weight_sync.snapshot on and off (`--snapshot on,off`; rows `<digest>/snapshot` and
+          `<digest>/direct`). Two times: `send` (what the learner's next training step waits for:
+          `WeightBroadcaster.send` returns once the weights are copied into the snapshot and the
+          control call is out, or without a snapshot once the bytes are sent) and `update` (until
+          `settled()`: transfer done, every server replied, digest checked).
 baseline: a plain gloo broadcast of the same buckets (same layout, same bytes, two in flight, no
           digest on either side) from this process to a second plain process on the same machine
           (the vLLM worker process cannot be reused for it, so a fresh process stands in).
 Rows: the tiny demo model and a locally built Qwen2 of >= 100M parameters (full weights), and a LoRA
 adapter (`--lora 100m:16`: the learner's FSDP2 + peft backend in this process, learner.lora.rank 16,
 streaming only the adapter to a rollout server serving it with vLLM's LoRA). Run:
-python bench/weight_update.py [--sizes tiny,100m --lora 100m:16 --rounds 3 --digests blake3,sha256]"""
+python bench/weight_update.py [--sizes tiny,100m --lora 100m:16 --rounds 3 --digests blake3,sha256 --snapshot on,off]"""
 
 from __future__ import annotations
 
@@ -83,9 +86,11 @@ def raw_broadcaster(named, rounds: int, tmp: Path):
 
 
 async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path, digests: list[str],
-                         config: dict | None = None) -> tuple[list[float], dict[str, list[dict]]]:
+                         config: dict | None = None, snapshots: tuple[bool, ...] = (True, False)
+                         ) -> tuple[list[float], dict[str, list[dict]]]:
     """Each round: one raw broadcast of `named`, then one update of `source` (the same bytes) per
-    digest algorithm (interleaved, so a change in the machine's load hits both sides alike). Each
+    digest algorithm and snapshot setting (interleaved, so a change in the machine's load hits all
+    sides alike; each setting keeps its broadcaster, so a snapshot's buffers are reused). Each
     update's `send_s` is what the learner's training step waits for (`WeightBroadcaster.send`);
     `update_s` runs until `settled()`: every server has loaded, finished and resumed, digest checked."""
     from bench.harness import rollout_harness
@@ -100,18 +105,22 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
                                config=config) as h:
         raw_send, raw_close = raw_broadcaster(named, rounds + 1, tmp)
         version = 0
-        senders = {algorithm: build_sender(WeightSyncSection(timeout_s=300, digest_algorithm=algorithm))
-                   for algorithm in digests}
-        raw, out = [], {algorithm: [] for algorithm in digests}
+        broadcasters = {}
+        for algorithm in digests:
+            sender = build_sender(WeightSyncSection(timeout_s=300, digest_algorithm=algorithm))
+            for snapshot in snapshots:
+                sync = WeightSyncSection(timeout_s=300, digest_algorithm=algorithm, snapshot=snapshot)
+                label = f"{algorithm}/{'snapshot' if snapshot else 'direct'}"
+                broadcasters[label] = WeightBroadcaster(h.membership, sync, sender, run_torch)
+        raw, out = [], {label: [] for label in broadcasters}
         for r in range(rounds + 1):  # round 0 warms up (and forms each group) and is not counted
             t = await asyncio.to_thread(raw_send)
             if r:
                 raw.append(t)
-            for algorithm in digests:
-                # A rollout server is in one weight group at a time: each algorithm's learner
+            for label, broadcaster in broadcasters.items():
+                algorithm = broadcaster.cfg.digest_algorithm
+                # A rollout server is in one weight group at a time: each setting's learner
                 # re-forms its group (InitWeightTransfer, not timed) before its update.
-                sync = WeightSyncSection(timeout_s=300, digest_algorithm=algorithm)
-                broadcaster = WeightBroadcaster(h.membership, sync, senders[algorithm], run_torch)
                 broadcaster.epoch = version  # a fresh epoch each time
                 await broadcaster._rebuild()
                 assert broadcaster.digest_algorithm == algorithm
@@ -124,7 +133,7 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
                 update_s = time.perf_counter() - t0
                 assert broadcaster.verified_versions[-1] == version
                 if r:
-                    out[algorithm].append({**metrics, "send_s": send_s, "update_s": update_s})
+                    out[label].append({**metrics, "send_s": send_s, "update_s": update_s})
         raw_close()
         return raw, out
 
@@ -143,11 +152,12 @@ def summarize(raw: list[float], by_digest: dict[str, list[dict]], **facts) -> di
                            "update_all_s": [m["update_s"] for m in mesh], "send_ratio": send_s / raw_s,
                            "ratio": update_s / raw_s, "phases_s": phases,
                            # each round's update over the raw broadcast run just before it (same load)
-                           "paired_ratio": median([m["update_s"] / r for m, r in zip(mesh, raw)])}
+                           "paired_ratio": median([m["update_s"] / r for m, r in zip(mesh, raw)]),
+                           "paired_send_ratio": median([m["send_s"] / r for m, r in zip(mesh, raw)])}
     return rows
 
 
-def lora_row(size: str, rank: int, rounds: int, digests: list[str]) -> dict[str, dict]:
+def lora_row(size: str, rank: int, rounds: int, digests: list[str], snapshots: tuple[bool, ...]) -> dict[str, dict]:
     """The learner with learner.lora (FSDP2 + peft, in this process) pushing its adapter to a rollout
     server serving it (vLLM with LoRA), against a raw broadcast of the same adapter tensors."""
     import torch
@@ -176,7 +186,7 @@ def lora_row(size: str, rank: int, rounds: int, digests: list[str]) -> dict[str,
     stream_s = time.perf_counter() - t0  # the learner gathering its adapter out of FSDP2 (part of `send`)
     adapter_bytes = sum(t.numel() * t.element_size() for _, t in named)
     raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, source, rounds, tmp, digests,
-                                                config={"learner": {"lora": lora}}))
+                                                config={"learner": {"lora": lora}}, snapshots=snapshots))
     facts = {"params": sum(t.numel() for _, t in named), "mib": adapter_bytes / 2**20, "bytes": adapter_bytes,
              "model_bytes": model_bytes, "adapter_fraction": adapter_bytes / model_bytes, "stream_s": stream_s,
              "tensors": len(named)}
@@ -189,6 +199,7 @@ def main() -> None:
     p.add_argument("--lora", default="100m:16", help="LoRA rows as size:rank (comma-separated); '' for none")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--digests", default="blake3,sha256", help="weight_sync.digest_algorithm values to measure")
+    p.add_argument("--snapshot", default="on,off", help="weight_sync.snapshot settings to measure (on, off)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -200,6 +211,7 @@ def main() -> None:
     from rlmesh.services.config import TinyModelSection
 
     digests = args.digests.split(",")
+    snapshots = tuple({"on": True, "off": False}[v] for v in args.snapshot.split(","))
     results, load_before = {}, os.getloadavg()
     for size in filter(None, args.sizes.split(",")):
         tmp = Path(tempfile.mkdtemp(prefix=f"rlmesh-wu-{size}-"))
@@ -213,27 +225,29 @@ def main() -> None:
         named = list(model.state_dict().items())
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, WeightSource.of(named), args.rounds, tmp,
-                                                    digests))
+                                                    digests, snapshots=snapshots))
         facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes}
         results.update({f"{size}/{a}": row for a, row in summarize(raw, by_digest, **facts).items()})
         del model, named
     for spec in filter(None, args.lora.split(",")):
         size, rank = spec.split(":")
-        results.update(lora_row(size, int(rank), args.rounds, digests))
-    print(f"\n{'model/digest':18s} {'params':>11s} {'MiB':>7s} {'raw bcast s':>12s} {'send s':>8s} {'update s':>9s} "
-          f"{'send/raw':>9s} {'update/raw':>11s} {'paired':>7s}")
+        results.update(lora_row(size, int(rank), args.rounds, digests, snapshots))
+    print(f"\n{'model/digest/sending':28s} {'params':>11s} {'MiB':>7s} {'raw bcast s':>12s} {'send s':>8s} "
+          f"{'update s':>9s} {'send/raw':>9s} {'update/raw':>11s} {'paired send':>12s} {'paired update':>14s}")
     for name, r in results.items():
-        print(f"{name:18s} {r['params']:>11,d} {r['mib']:7.1f} {r['raw_s']:12.4f} {r['send_s']:8.4f} "
-              f"{r['update_s']:9.4f} {r['send_ratio']:9.2f} {r['ratio']:11.2f} {r['paired_ratio']:7.2f}")
+        print(f"{name:28s} {r['params']:>11,d} {r['mib']:7.1f} {r['raw_s']:12.4f} {r['send_s']:8.4f} "
+              f"{r['update_s']:9.4f} {r['send_ratio']:9.2f} {r['ratio']:11.2f} {r['paired_send_ratio']:12.2f} "
+              f"{r['paired_ratio']:14.2f}")
     for name, r in results.items():
         print(f"{name}: median phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in r["phases_s"].items())
               + f"; raw rounds {[round(x, 4) for x in r['raw_all_s']]}, updates {[round(x, 4) for x in r['update_all_s']]}")
         if "model_bytes" in r:
             print(f"{name}: adapter {r['bytes']:,d} bytes = {100 * r['adapter_fraction']:.2f}% of the base model's "
                   f"{r['model_bytes']:,d}; {r['tensors']} tensors, gathered out of FSDP2 in {r['stream_s']:.3f} s")
-    print("send = what the training step waits for (WeightBroadcaster.send: control call out, bytes sent); "
-          "update = until settled (every server loaded, finished, resumed; digest checked): the issue's ratio, "
-          "target update/raw <= 1.25; paired = median over rounds of update / that round's raw")
+    print("send = what the training step waits for (WeightBroadcaster.send: control call out and, with "
+          "snapshot, the weights copied; direct, the bytes sent); update = until settled (transfer done, every "
+          "server loaded, finished, resumed; digest checked): target update/raw <= 1.25; paired = median over "
+          "rounds of send or update / that round's raw")
     print(f"load average (1, 5, 15 min) at start {load_before}, at end {os.getloadavg()} on {os.cpu_count()} cores")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -71,6 +72,10 @@ class WeightBroadcaster:
         UpdateWeights call: one control call per server per step."""
         self._fanout: asyncio.Semaphore | None = None
         self._completing: asyncio.Future | None = None  # a single-call update's completion (`settled`)
+        self._snapshot = None  # wire.Snapshot, the buffers weight_sync.snapshot sends from (made on first use)
+        # The transfer from a snapshot runs here, never on the torch thread: the next training step
+        # runs there meanwhile (its collectives are on the training group, the transfer's on the weight group).
+        self._wire: ThreadPoolExecutor | None = None
 
     def _bounded(self, call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
         """`call()` with at most weight_sync.control_concurrency such calls in flight. Only for the
@@ -165,8 +170,9 @@ class WeightBroadcaster:
 
     async def send(self, version: int, source: WeightSource) -> dict[str, float]:
         """Push the weights as `version` to every generator; returns timing metrics once the bytes
-        are sent, so that the learner's next training step can start. In a single-call group the
-        rest (each server's reply once it has loaded them, the digest check) completes in the
+        are sent (with weight_sync.snapshot, once they are copied), so that the learner's next
+        training step can start. In a single-call group the rest (the transfer from the snapshot,
+        each server's reply once it has loaded them, the digest check) completes in the
         background: `settled()` waits for it, and whatever needs every server at `version` (issuing
         prompts at it, the next update, a catch-up) must call it first. A generator that fails
         before the bytes are sent is dropped from membership (it re-registers) and the round is
@@ -230,19 +236,32 @@ class WeightBroadcaster:
             start=start if single else None, finish=finish if single else None)
         updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
                    for g in members}
+        snapshot = self.cfg.snapshot and single
         try:
-            digest = await self.run_torch(lambda: self.transport.send(source.stream(), metas, algorithm))
+            if snapshot:
+                # The weights of `version` copied (a collective on every training rank, on the torch
+                # thread): the transfer reads only this copy, so the next step may change the parameters.
+                flats = await self.run_torch(self._take_snapshot, source, metas)
+            else:
+                digest = await self.run_torch(lambda: self.transport.send(source.stream(), metas, algorithm))
         except Exception as err:
             await asyncio.gather(*updates.values(), return_exceptions=True)
             await self._gather("UpdateWeights", updates)
             self.formed = False
             raise BroadcastError(f"{self.cfg.backend} send failed: {err}") from err
-        lap("send")
+        lap("snapshot" if snapshot else "send")
         self.sent_versions.append(version)
         sent = {"broadcast_mb": sum(m.nbytes for m in metas) / 2**20,
                 # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
                 "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
                 "weights_verified": float(self.transport.verifies)}
+        if snapshot:
+            if self._wire is None:
+                self._wire = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-weights")
+            transfer = asyncio.get_running_loop().run_in_executor(
+                self._wire, self.transport.send_flat, flats, metas, algorithm)
+            self._completing = asyncio.ensure_future(self._complete(version, transfer, members, updates))
+            return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
         if single:
             self._completing = asyncio.ensure_future(self._complete(version, digest, members, updates))
             return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
@@ -262,13 +281,34 @@ class WeightBroadcaster:
         self._record(version, digest, finished, members)
         return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
 
-    async def _complete(self, version: int, digest: str, members: list[Generator],
+    def _take_snapshot(self, source: WeightSource, metas: list[TensorMeta]) -> list[torch.Tensor]:
+        from rlmesh.services.weights.wire import Snapshot
+
+        if self._snapshot is None:
+            self._snapshot = Snapshot()
+        return self._snapshot.take(source.stream(), metas)
+
+    async def _complete(self, version: int, digest: str | asyncio.Future, members: list[Generator],
                         updates: dict[str, asyncio.Future]) -> dict[str, float]:
-        """The rest of a single-call update once the bytes are sent: every server's reply (it has
-        loaded the weights, finished and resumed) and the digest check. A server whose call failed
-        is dropped from membership (it registers again and is caught up to the version current
-        then): nothing is re-sent as `version`, since the learner's weights may have moved on."""
+        """The rest of a single-call update once the bytes are sent (or, from a snapshot, while they
+        are: `digest` is then the transfer's future): every server's reply (it has loaded the
+        weights, finished and resumed) and the digest check. A server whose call failed is dropped
+        from membership (it registers again and is caught up to the version current then): nothing
+        is re-sent as `version`, since the learner's weights may have moved on."""
         t0 = time.monotonic()
+        metrics: dict[str, float] = {}
+        if isinstance(digest, asyncio.Future):
+            try:
+                digest = await digest
+            except Exception as err:
+                # No server can hold `version` now: drop them all (each re-registers and is caught up).
+                await asyncio.gather(*updates.values(), return_exceptions=True)
+                for g in members:
+                    self.membership.remove(g.generator_id, f"the {self.cfg.backend} transfer of v{version} from the "
+                                                           f"snapshot failed ({err!r})")
+                self.formed = False
+                return {"broadcast_transfer_s": time.monotonic() - t0}
+            metrics["broadcast_transfer_s"] = time.monotonic() - t0
         results = dict(zip(updates, await asyncio.gather(*updates.values(), return_exceptions=True)))
         for gid, result in results.items():
             if isinstance(result, BaseException):
@@ -283,7 +323,8 @@ class WeightBroadcaster:
         if mismatch:
             raise RuntimeError(mismatch)  # a corrupted transfer is a bug, not a retryable fault
         self._record(version, digest, finished, done)
-        return {"broadcast_load_s": t_loaded - t0, "broadcast_verify_s": time.monotonic() - t_loaded}
+        return {**metrics, "broadcast_load_s": t_loaded - t0 - metrics.get("broadcast_transfer_s", 0.0),
+                "broadcast_verify_s": time.monotonic() - t_loaded}
 
     def _record(self, version: int, digest: str, finished: dict[str, Any], members: list[Generator]) -> None:
         """`members` hold `version`, verified when the transport digests."""

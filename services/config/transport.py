@@ -50,6 +50,8 @@ class WeightSyncSection(Section):
     """Most per-step control calls (pause, start, finish, resume) the learner has in flight at once across rollout servers; the weight transfer itself always goes to all at once."""
     digest_algorithm: Literal["blake3", "sha256"] = "blake3"
     """Digest both sides take of every gloo transfer: blake3 (faster), or sha256; a group with a rollout server that predates blake3 uses sha256."""
+    snapshot: bool = True
+    """Copy the weights into a buffer kept across updates and send from it on a thread of its own, so the next training step waits only for the copy (costs a second copy of the sent weights in memory; needs single-call rollout servers)."""
 
     @model_validator(mode="after")
     def _dialable(self) -> "WeightSyncSection":

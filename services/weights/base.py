@@ -54,6 +54,9 @@ class Sender(Protocol):
         """Broadcast every tensor, in `metas` order; returns the digest of what was sent in
         `digest_algorithm` ("" if the transport does not digest)."""
 
+    def send_flat(self, flats: Iterable[torch.Tensor], metas: list[TensorMeta], digest_algorithm: str = "sha256") -> str:
+        """`send` from the wire layout already built (`wire.Snapshot`: one flat tensor per bucket of `metas`)."""
+
     def close(self) -> None:
         """Drop the current group."""
 

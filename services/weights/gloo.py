@@ -88,10 +88,13 @@ class GlooSender:
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta],
              digest_algorithm: str = "sha256") -> str:
+        return self.send_flat(flat_buckets(named, metas), metas, digest_algorithm)
+
+    def send_flat(self, flats: Iterable[torch.Tensor], metas: list[TensorMeta], digest_algorithm: str = "sha256") -> str:
         assert self.group is not None, "form_group before send"
         digest, in_flight = BackgroundDigest(digest_algorithm), None
         try:
-            for flat in flat_buckets(named, metas):
+            for flat in flats:
                 work = self.group.broadcast(flat, 0)
                 # Hashed on the digest thread while gloo's own thread moves the bucket (no copy), and
                 # two buckets in flight: the next one is flattened while this one is on the wire.

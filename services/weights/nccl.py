@@ -18,7 +18,7 @@ import torch
 
 from rlmesh.services.config import WeightSyncSection
 from rlmesh.services.weights.base import Rendezvous, check_init
-from rlmesh.services.weights.wire import TensorMeta
+from rlmesh.services.weights.wire import TensorMeta, buckets, unflatten
 from rlmesh.v1 import rollout_pb2
 
 ENGINE = "nccl"
@@ -63,6 +63,10 @@ class NCCLSender:
                                        post_iter_func=lambda item: item[1].to(device, non_blocking=True))
         torch.cuda.synchronize()
         return ""
+
+    def send_flat(self, flats: Iterable[torch.Tensor], metas: list[TensorMeta], digest_algorithm: str = "sha256") -> str:
+        return self.send((item for flat, idx in zip(flats, buckets(metas)) for item in unflatten(flat, metas, idx)),
+                         metas, digest_algorithm)
 
     def close(self) -> None:
         if self.comm is not None:

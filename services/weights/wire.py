@@ -64,13 +64,44 @@ def flat_buckets(named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMe
     for idx in buckets(metas):
         parts = []
         for i in idx:
-            name, tensor = next(it)
-            m = metas[i]
-            if name != m.name or tuple(tensor.shape) != m.shape:
-                raise ValueError(f"weight stream out of order: got {name} {tuple(tensor.shape)}, layout says "
-                                 f"{m.name} {m.shape}")
-            parts.append(tensor.detach().to("cpu").reshape(-1))
+            parts.append(_in_layout(next(it), metas[i]).to("cpu").reshape(-1))
         yield torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _in_layout(item: tuple[str, torch.Tensor], m: TensorMeta) -> torch.Tensor:
+    name, tensor = item
+    if name != m.name or tuple(tensor.shape) != m.shape:
+        raise ValueError(f"weight stream out of order: got {name} {tuple(tensor.shape)}, layout says "
+                         f"{m.name} {m.shape}")
+    return tensor.detach()
+
+
+class Snapshot:
+    """The weights in the wire layout (one flat CPU tensor per bucket), in buffers kept across
+    updates: taking it copies every byte once, and from then on the source may change (the next
+    training step) while the copy is sent. Costs a second copy of what is sent in memory."""
+
+    def __init__(self) -> None:
+        self.metas: list[TensorMeta] = []
+        self.flats: list[torch.Tensor] = []
+
+    def take(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> list[torch.Tensor]:
+        """Copy `named` (streamed in `metas` order) into the buffers; returns them, one per bucket.
+        Valid until the next `take`."""
+        if metas != self.metas:  # a new layout (first update, or the adapter's shape changed)
+            self.flats = [torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype))
+                          for idx in buckets(metas)]
+            self.metas = list(metas)
+        it = iter(named)
+        for flat, idx in zip(self.flats, buckets(metas)):
+            offset = 0
+            for i in idx:
+                m = metas[i]
+                flat[offset : offset + m.numel].view(m.shape).copy_(_in_layout(next(it), m))
+                offset += m.numel
+        for _ in it:  # let a generator source run to its end (it may close a collective on other ranks)
+            raise ValueError("weight stream has more tensors than the layout lists")
+        return self.flats
 
 
 def new_digest(algorithm: str):

@@ -110,8 +110,8 @@ class ThreeCallRolloutService(CountingRolloutService):
     single_call = False
 
 
-async def _plane(engine: StandInEngine, service_cls=RolloutService):
-    cfg = WeightSyncSection(backend="gloo", timeout_s=20)
+async def _plane(engine: StandInEngine, service_cls=RolloutService, **weight_sync):
+    cfg = WeightSyncSection(backend="gloo", timeout_s=20, **weight_sync)
     service = service_cls(engine, "gen", build_receiver(cfg))
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service,
                                   "rlmesh.v1.RolloutService")], port=0)
@@ -194,7 +194,8 @@ async def test_send_returns_once_the_bytes_are_sent_and_settled_waits_for_every_
         await asyncio.sleep(0.2)
         assert not waiting.done()
         server.rollout_service.release.set()
-        assert set(await asyncio.wait_for(waiting, 10)) == {"broadcast_load_s", "broadcast_verify_s"}
+        assert set(await asyncio.wait_for(waiting, 10)) == {"broadcast_transfer_s", "broadcast_load_s",
+                                                             "broadcast_verify_s"}
         assert broadcaster.verified_versions == [1] and gen.version == 1 == engine.version
         assert broadcaster.last_digest == weights_digest(named, algorithm="blake3")
         assert await broadcaster.settled() == {}  # nothing left to wait for
@@ -211,6 +212,41 @@ async def test_a_server_that_fails_after_the_send_is_dropped_and_nothing_is_rese
         await asyncio.wait_for(broadcaster.settled(), 20)
         assert "gen" not in membership.generators and not broadcaster.formed
         assert broadcaster.sent_versions == [1] and broadcaster.verified_versions == []
+    finally:
+        await server.stop(0)
+
+
+class LateEngine(StandInEngine):
+    """Enters the receive a while after its UpdateWeights arrives (a server finishing an engine step)."""
+
+    async def update_weights(self, info: dict) -> None:
+        await asyncio.sleep(0.5)
+        await super().update_weights(info)
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+async def test_the_weights_that_arrive_are_those_of_the_version_even_when_the_next_step_changes_them(snapshot):
+    engine = LateEngine()
+    server, _, broadcaster = await _plane(engine, snapshot=snapshot)
+    try:
+        for version in (1, 2):
+            g = torch.Generator().manual_seed(version)
+            # 16 MiB in one tensor: more than loopback socket buffers take, so the transfer is still
+            # waiting on the late receiver when send() returns (and would read changed parameters).
+            params = [("big", torch.randn(4 * 2**20, generator=g)), ("w", torch.randn(64, 8, generator=g)),
+                      ("n", torch.arange(6))]
+            sent = [(n, t.clone()) for n, t in params]
+            metrics = await broadcaster.send(version, WeightSource.of(params))
+            if snapshot:  # the training step may start while the bytes still move
+                assert "broadcast_snapshot_s" in metrics and not broadcaster._completing.done()
+            with torch.no_grad():
+                for _, t in params:
+                    t.add_(1)  # the next training step, in place
+            settled = await asyncio.wait_for(broadcaster.settled(), 20)
+            assert ("broadcast_transfer_s" in settled) == snapshot
+            assert broadcaster.verified_versions[-1] == version and engine.version == version
+            assert broadcaster.last_digest == engine.digest == weights_digest(sent, algorithm="blake3")
+            assert all(torch.equal(engine.weights[n], t) for n, t in sent)
     finally:
         await server.stop(0)
 

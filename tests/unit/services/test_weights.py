@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
 from rlmesh.services.weights.base import build_receiver, build_sender  # noqa: E402
-from rlmesh.services.weights.wire import buckets, describe, flat_buckets, weights_digest  # noqa: E402
+from rlmesh.services.weights.wire import Snapshot, buckets, describe, flat_buckets, weights_digest  # noqa: E402
 
 
 def _named():
@@ -29,6 +29,23 @@ def test_streamed_flattening_equals_the_whole_list_and_digest():
     assert [t.numel() for t in streamed] == [17, 4, 2]
     assert torch.equal(streamed[0][:12], named[0][1].reshape(-1))
     assert weights_digest(iter(named), metas) == weights_digest(named)
+
+
+def test_a_snapshot_is_the_wire_layout_copied_into_buffers_reused_across_updates():
+    named, snapshot = _named(), Snapshot()
+    metas = describe(named)
+    first = snapshot.take(iter(named), metas)
+    assert [torch.equal(a, b) for a, b in zip(first, flat_buckets(named, metas))] == [True] * 3
+    pointers = [t.data_ptr() for t in first]
+    with torch.no_grad():
+        named[0][1].add_(1)  # the source changes after the copy: the snapshot does not
+    assert not torch.equal(first[0][:12], named[0][1].reshape(-1))
+    again = snapshot.take(iter(named), metas)
+    assert [t.data_ptr() for t in again] == pointers and torch.equal(again[0][:12], named[0][1].reshape(-1))
+    with pytest.raises(ValueError, match="out of order"):
+        snapshot.take(iter([named[1], named[0], *named[2:]]), metas)
+    with pytest.raises(ValueError, match="more tensors than the layout"):
+        snapshot.take(iter([*named, ("e", torch.zeros(1))]), metas)
 
 
 def test_a_stream_out_of_layout_order_is_refused():
