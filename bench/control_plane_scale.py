@@ -4,9 +4,11 @@ rollout servers, for N in `--clients` (10,100,1000 by default), side by side.
 learner (this process, real code): the LearnerService gRPC server (`rlmesh.learner.membership`), the
           prompt issuer, the trajectory admission (`rlmesh.learner.admission`, every group validated
           against what was issued, read while a step trains by `TrajectoryReader.admit_during`) and the
-          weight broadcaster's control RPCs (`rlmesh.learner.broadcast`: InitWeightTransfer at each
-          group rebuild; then per step one UpdateWeights per server carrying pause, start, finish
-          and resume, or 3 or 5 calls with --control combined / separate, + digest check). The bytes
+          weight broadcaster's control plane (`rlmesh.learner.broadcast`: InitWeightTransfer at each
+          group rebuild; then per step one entry on a Valkey stream that every server follows and
+          answers on a report stream (`rlmesh.services.weights.announce`), or with --control single one
+          UpdateWeights call per server carrying pause, start, finish and resume, or 3 or 5 calls
+          with --control combined / separate; + digest check). The bytes
           are not moved: a simulated transport forms no gloo group (a 1,001-rank gloo group is not
           what this measures).
 clients (`--sim-procs` other processes): N asyncio tasks speaking the real protocols: RegisterGenerator, a
@@ -53,8 +55,13 @@ HEARTBEAT_S = 2.0  # rlmesh.rollout_server.server.HEARTBEAT_S, until the learner
 
 # --- the simulated rollout tier (second process) ------------------------------------------------
 
-def fake_rollout_servicer(control: str):
+def fake_rollout_servicer(control: str, queue_url: str):
+    from rlmesh.services.queue import connect
+    from rlmesh.services.weights.announce import follow_updates
     from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc
+
+    following: dict[str, asyncio.Task] = {}
+    clients: dict = {}  # a Valkey client per simulated server, as each rollout server has its own
 
     class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         """Answers the weight-control RPCs as a rollout server whose weight receive is simulated.
@@ -63,9 +70,17 @@ def fake_rollout_servicer(control: str):
         version = 0
 
         async def InitWeightTransfer(self, request, context):
+            follow = control == "announce" and bool(request.announce_stream and request.announce_public_key)
+            if request.generator_id in following:  # as the rollout server: a new group replaces the old one's
+                following.pop(request.generator_id).cancel()
+            if follow:  # the rollout server's own follower, answering with this servicer's update path
+                valkey = clients.setdefault(request.generator_id, connect(queue_url))
+                following[request.generator_id] = asyncio.create_task(follow_updates(
+                    valkey, request, lambda update: self.UpdateWeights(update, None)))
             return rollout_pb2.InitWeightTransferResponse(digest_algorithms=["blake3", "sha256"],
                                                           combined_pause_resume=control != "separate",
-                                                          single_call_update=control == "single")
+                                                          single_call_update=control in ("single", "announce"),
+                                                          announced_updates=follow)
 
         async def PauseGeneration(self, request, context):
             return rollout_pb2.PauseGenerationResponse()
@@ -118,7 +133,7 @@ async def simulate(args: argparse.Namespace) -> None:
     from rlmesh.services.queue import connect, run_streams
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 
-    server, fake = grpc.aio.server(), fake_rollout_servicer(args.control)
+    server, fake = grpc.aio.server(), fake_rollout_servicer(args.control, args.queue_url)
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(fake, server)
     ports = [server.add_insecure_port("127.0.0.1:0") for _ in range(args.num_clients)]
     await server.start()
@@ -186,6 +201,9 @@ class SimulatedSender:
     def send(self, named, metas, digest_algorithm: str = "sha256") -> str:
         return SIM_DIGEST
 
+    def send_flat(self, flats, metas, digest_algorithm: str = "sha256") -> str:
+        return SIM_DIGEST
+
     def close(self) -> None: ...
 
 
@@ -201,6 +219,7 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
     from rlmesh.services.grpc_server import ServerLimits, start_server
     from rlmesh.services.queue import connect, run_streams
     from rlmesh.services.valkey import start_embedded_valkey
+    from rlmesh.services.weights.announce import UpdateAnnouncer
     from rlmesh.v1 import learner_pb2, learner_pb2_grpc
 
     valkey = start_embedded_valkey()
@@ -239,8 +258,10 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
     admission = Admission(trajectories, type("W", (), {"write": lambda self, r: dropped.append(r)})(),
                           max_staleness=k, drop_zero_advantage_groups=False, on_returned=issuer.returned,
                           issued=issuer.issued, bounds=Bounds(vocab_size=1000, max_abs_reward=10, max_seq_len=4096))
-    broadcaster = WeightBroadcaster(membership, WeightSyncSection(timeout_s=120), SimulatedSender(),
-                                    lambda fn, *a: asyncio.to_thread(fn, *a))
+    # Announced from the first server on (the real default, weight_sync.announce_min_servers, is 32).
+    broadcaster = WeightBroadcaster(membership, WeightSyncSection(timeout_s=120, announce_min_servers=1),
+                                    SimulatedSender(), lambda fn, *a: asyncio.to_thread(fn, *a),
+                                    announcer=UpdateAnnouncer(redis) if args.control == "announce" else None)
     source = WeightSource.of([])
     # The first broadcast forms the group (InitWeightTransfer to every server) and is not a step.
     state["version"] = 0
@@ -251,6 +272,8 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
         broke = f"{type(err).__name__}: {str(err)[:160]}"
     else:
         broke = "" if len(membership.generators) == n else f"{n - len(membership.generators)} servers dropped"
+        if not broke and broadcaster.announced != (args.control == "announce"):
+            broke = f"--control {args.control}, but the group negotiated announced={broadcaster.announced}"
     init_s = time.monotonic() - t_init
     if broke:
         for sim in sims:
@@ -376,8 +399,10 @@ def main() -> None:
     p.add_argument("--gen-s", type=float, default=1.0, help="simulated generation time of one group (x0.5-1.5)")
     p.add_argument("--step-s", type=float, default=10.0,
                    help="the training step's stand-in (seconds), which the overhead is a fraction of")
-    p.add_argument("--control", choices=["single", "combined", "separate"], default="single",
-                   help="single: one UpdateWeights per server per step carries pause, start, finish and resume; "
+    p.add_argument("--control", choices=["announce", "single", "combined", "separate"], default="announce",
+                   help="announce: one Valkey stream entry per step, whatever the number of servers, each server "
+                        "reporting on a second stream (weight_sync.announce_min_servers); "
+                        "single: one UpdateWeights per server per step carries pause, start, finish and resume; "
                         "combined: servers pause in StartWeightUpdate and resume in FinishWeightUpdate (3 calls "
                         "per server per step, servers before single_call_update); separate: 5 calls")
     p.add_argument("--json", help="also write the results here")

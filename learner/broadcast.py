@@ -5,7 +5,10 @@ move through a transport `Sender` (gloo or NCCL); this module only drives the co
 group's rendezvous (prefix and secret, or NCCL id) goes out in InitWeightTransfer, and each worker's
 digest of what it received comes back in FinishWeightUpdate and is checked against what was sent.
 The digest algorithm is agreed per group: weight_sync.digest_algorithm if every member lists it in
-its InitWeightTransfer reply, else sha256 (what a server that lists nothing, an older one, digests with)."""
+its InitWeightTransfer reply, else sha256 (what a server that lists nothing, an older one, digests with).
+In a group of at least weight_sync.announce_min_servers where every member follows announced updates,
+an update is not a call per server but one entry on a Valkey stream (`services.weights.announce`):
+the learner's cost of starting it no longer grows with the number of servers."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from rlmesh.services.config import WeightSyncSection
 if TYPE_CHECKING:
     import torch
 
+    from rlmesh.services.weights.announce import UpdateAnnouncer
     from rlmesh.services.weights.base import Sender
     from rlmesh.services.weights.wire import TensorMeta
 
@@ -55,8 +59,12 @@ class WeightSource:
 
 class WeightBroadcaster:
     def __init__(self, membership: Membership, cfg: WeightSyncSection, transport: Sender,
-                 run_torch: TorchRunner) -> None:
+                 run_torch: TorchRunner, announcer: UpdateAnnouncer | None = None) -> None:
         self.membership, self.cfg, self.transport, self.run_torch = membership, cfg, transport, run_torch
+        self.announcer = announcer
+        """Where updates of large groups are announced (the run's Valkey); None: always one call per server."""
+        self.announced = False
+        """Every member of this group follows the announce stream: an update is one stream entry."""
         self.epoch = 0
         self.formed = False
         self.members: list[Generator] = []
@@ -123,10 +131,16 @@ class WeightBroadcaster:
         t0 = time.monotonic()
         await self._connect(members)
         ticket = self.transport.rendezvous(self.epoch)
+        announce_stream = report_stream = ""
+        if self.announcer is not None and len(members) >= self.cfg.announce_min_servers:
+            announce_stream, report_stream = await self.announcer.open(self.epoch)
         request = lambda g: rollout_pb2.InitWeightTransferRequest(  # noqa: E731
             backend=self.cfg.backend, master_address=ticket.master_address, master_port=ticket.master_port,
             rank_offset=g.rank_offset, world_size=world, group_epoch=self.epoch, timeout_seconds=self.cfg.timeout_s,
-            group_prefix=ticket.prefix, group_secret=ticket.secret, nccl_unique_id=ticket.nccl_unique_id)
+            group_prefix=ticket.prefix, group_secret=ticket.secret, nccl_unique_id=ticket.nccl_unique_id,
+            announce_stream=announce_stream, report_stream=report_stream, generator_id=g.generator_id,
+            announce_public_key=self.announcer.public_key if announce_stream else b"",
+            report_key=self.announcer.report_key_for(g.generator_id) if announce_stream else b"")
         calls = {g.generator_id: asyncio.ensure_future(g.stub.InitWeightTransfer(request(g), timeout=self.cfg.timeout_s))
                  for g in members}
         try:
@@ -142,13 +156,17 @@ class WeightBroadcaster:
         self.combined = all(r.combined_pause_resume for r in replies.values())
         # ...and Start and Finish ride on UpdateWeights: 1 call per server per step instead of 3.
         self.single_call = self.combined and all(r.single_call_update for r in replies.values())
+        # ...and that one call becomes one stream entry for all of them.
+        self.announced = bool(announce_stream) and self.single_call and all(r.announced_updates
+                                                                             for r in replies.values())
         self.formed, self.members = True, members
         self.membership.changed = False
         for g in members:
             g.in_group = True
         log.info("%s transfer group epoch %d formed: %d generator(s), world size %d, digest %s, %d control call(s) "
-                 "per server per update (%.1fs)", self.cfg.backend, self.epoch, len(members), world,
-                 self.digest_algorithm, 1 if self.single_call else 3 if self.combined else 5, time.monotonic() - t0)
+                 "per server per update%s (%.1fs)", self.cfg.backend, self.epoch, len(members), world,
+                 self.digest_algorithm, 0 if self.announced else 1 if self.single_call else 3 if self.combined else 5,
+                 ", updates announced once on Valkey" if self.announced else "", time.monotonic() - t0)
 
     def _agree_digest(self, replies: dict[str, Any]) -> str:
         """The configured algorithm if every member can digest with it, else sha256."""
@@ -234,8 +252,11 @@ class WeightBroadcaster:
             version=version, group_epoch=epoch, digest_algorithm=algorithm,
             tensors=[rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas],
             start=start if single else None, finish=finish if single else None)
-        updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
-                   for g in members}
+        if self.announced:  # one stream entry, whatever the number of members
+            updates = await self._announce(request, members)
+        else:
+            updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
+                       for g in members}
         snapshot = self.cfg.snapshot and single
         try:
             if snapshot:
@@ -325,6 +346,27 @@ class WeightBroadcaster:
         self._record(version, digest, finished, done)
         return {**metrics, "broadcast_load_s": t_loaded - t0 - metrics.get("broadcast_transfer_s", 0.0),
                 "broadcast_verify_s": time.monotonic() - t_loaded}
+
+    async def _announce(self, request: rollout_pb2.UpdateWeightsRequest,
+                        members: list[Generator]) -> dict[str, asyncio.Future]:
+        """Announce `request` to the whole group (one entry); a future per member that ends as its
+        UpdateWeights call would (its reply, or the error it reported, or a timeout), all settled by
+        one background read of the reports."""
+        await self.announcer.announce(request)
+        loop = asyncio.get_running_loop()
+        futures = {g.generator_id: loop.create_future() for g in members}
+        collecting = asyncio.ensure_future(self.announcer.collect(request.version, request.group_epoch,
+                                                                  set(futures), self.cfg.timeout_s))
+
+        def settle(done: asyncio.Future) -> None:
+            results = {} if done.cancelled() or done.exception() else done.result()
+            for gid, fut in futures.items():
+                result = results[gid] if gid in results else RuntimeError(
+                    "cancelled" if done.cancelled() else f"reading the reports failed: {done.exception()!r}")
+                fut.set_exception(result) if isinstance(result, BaseException) else fut.set_result(result)
+
+        collecting.add_done_callback(settle)
+        return futures
 
     def _record(self, version: int, digest: str, finished: dict[str, Any], members: list[Generator]) -> None:
         """`members` hold `version`, verified when the transport digests."""

@@ -58,6 +58,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
     from rlmesh.learner.metrics import MetricsWriter
     from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.services.weights.announce import UpdateAnnouncer
     from rlmesh.services.weights.base import build_sender
 
     cfg = config
@@ -67,14 +68,16 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     token = load_token(cfg.network.token_file, cfg.network.token_env)
     tls = TLSFiles.from_config(cfg.network, "learner")
     check_can_serve(cfg.network.host, token=token, tls=tls, insecure=cfg.network.insecure)
-    prompts, trajectories = run_streams(connect_queue(cfg.queue, "learner"), cfg.queue)
+    queue = connect_queue(cfg.queue, "learner")
+    prompts, trajectories = run_streams(queue, cfg.queue)
     await mark_queues(prompts, trajectories, run_id)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = await run_torch(lambda: Trainer(cfg, model_path, pad_id=tokenizer.pad_token_id))
     weights = WeightSource(trainer.weight_metas, trainer.stream_weights)
     membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s, tls=tls)
-    broadcaster = WeightBroadcaster(membership, cfg.weight_sync, build_sender(cfg.weight_sync), run_torch)
+    broadcaster = WeightBroadcaster(membership, cfg.weight_sync, build_sender(cfg.weight_sync), run_torch,
+                                    announcer=UpdateAnnouncer(queue))
 
     train_set, eval_set = load_dataset(cfg.data, cfg.run.seed)
     issuer = PromptIssuer(prompts, run_id, train_set, group_size=cfg.algorithm.group_size,

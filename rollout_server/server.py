@@ -142,7 +142,8 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     worker = RolloutWorker(generator, prompts, trajectories, rewards, episodes, consumer="pending",
                            max_concurrent_groups=config.rollout.max_concurrent_groups,
                            max_abs_reward=config.reward.max_abs_reward, queue_url=config.queue.url)
-    service = RolloutService(generator, "pending", receiver, worker, on_weights=lambda version: worker.ready.set())
+    service = RolloutService(generator, "pending", receiver, worker, on_weights=lambda version: worker.ready.set(),
+                             queue=redis)
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],
                                 host=config.network.host, port=args.port, token=token, tls=tls,
                                 insecure=config.network.insecure, policy=POLICY,

@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from rlmesh.rollout_server.generator import VLLMGenerator
+from rlmesh.services.weights.announce import follow_updates
 from rlmesh.services.weights.base import Receiver
 from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -29,9 +30,15 @@ def request_problem(group, prompt_ids: list[int], cfg) -> str | None:
     return None
 
 
+def _log_death(task: asyncio.Task) -> None:
+    """A follower that dies says so (the learner then drops this server at its next update's deadline)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("following announced weight updates stopped: %r", task.exception(), exc_info=task.exception())
+
+
 class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, generator: VLLMGenerator, generator_id: str, receiver: Receiver, worker=None,
-                 on_weights=None) -> None:
+                 on_weights=None, queue=None) -> None:
         self.generator, self.generator_id, self.worker = generator, generator_id, worker
         # The weight transport's receiving side (built from weight_sync; this server's vLLM engine uses it).
         self.receiver = receiver
@@ -39,6 +46,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         self.on_weights = on_weights
         self.weights_digest = ""  # digest of the last weights received; empty until the first update
         self.digest_algorithm = ""  # the algorithm of the update in progress or last received ("" = sha256)
+        # The run's Valkey client: with it this server follows a large group's announced updates.
+        self.queue = queue
+        self._following: asyncio.Task | None = None
 
     async def Generate(self, request, context):
         if self.generator.placeholder:
@@ -71,9 +81,18 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         await self.generator.init_weight_transfer(init_info, request.group_epoch)
+        if self._following is not None:  # the previous group's announcements are over
+            self._following.cancel()
+            self._following = None
+        follow = bool(request.announce_stream and request.report_stream and len(request.announce_public_key) == 32
+                      and request.report_key and self.queue is not None)
+        if follow:
+            self._following = asyncio.create_task(follow_updates(self.queue, request, self.apply_update),
+                                                  name="announced-weight-updates")
+            self._following.add_done_callback(_log_death)
         return rollout_pb2.InitWeightTransferResponse(
             digest_algorithms=getattr(self.receiver, "digest_algorithms", ()), combined_pause_resume=True,
-            single_call_update=True)
+            single_call_update=True, announced_updates=follow)
 
     async def StartWeightUpdate(self, request, context):
         if request.pause_mode:  # the learner's PauseGeneration, folded into this call
@@ -82,12 +101,24 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.StartWeightUpdateResponse()
 
     async def UpdateWeights(self, request, context):
-        if not request.tensors:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UpdateWeights lists no tensors")
         try:
-            update_info = self.receiver.update_info(request)
+            update_info = self._update_info(request)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return await self._update(request, update_info, context)
+
+    async def apply_update(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        """An announced update (the learner's UpdateWeights without a call); ValueError for a bad request."""
+        return await self._update(request, self._update_info(request), None)
+
+    def _update_info(self, request: rollout_pb2.UpdateWeightsRequest):
+        if not request.tensors:
+            raise ValueError("UpdateWeights lists no tensors")
+        if request.HasField("start") and request.start.pause_mode not in ("", "keep", "wait", "abort"):
+            raise ValueError(f"start.pause_mode={request.start.pause_mode!r}: use keep, wait or abort")
+        return self.receiver.update_info(request)
+
+    async def _update(self, request, update_info, context):
         if request.HasField("start"):  # the learner's StartWeightUpdate, folded into this call
             await self.StartWeightUpdate(request.start, context)
         self.digest_algorithm = request.digest_algorithm or "sha256"

@@ -22,7 +22,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitWeightTransferRequest(_message.Message):
-    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch", "timeout_seconds", "group_prefix", "group_secret", "nccl_unique_id")
+    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch", "timeout_seconds", "group_prefix", "group_secret", "nccl_unique_id", "announce_stream", "report_stream", "generator_id", "announce_public_key", "report_key")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,11 @@ class InitWeightTransferRequest(_message.Message):
     GROUP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     GROUP_SECRET_FIELD_NUMBER: _ClassVar[int]
     NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_STREAM_FIELD_NUMBER: _ClassVar[int]
+    REPORT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    REPORT_KEY_FIELD_NUMBER: _ClassVar[int]
     backend: str
     master_address: str
     master_port: int
@@ -43,17 +48,24 @@ class InitWeightTransferRequest(_message.Message):
     group_prefix: str
     group_secret: bytes
     nccl_unique_id: bytes
-    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_prefix: _Optional[str] = ..., group_secret: _Optional[bytes] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
+    announce_stream: str
+    report_stream: str
+    generator_id: str
+    announce_public_key: bytes
+    report_key: bytes
+    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_prefix: _Optional[str] = ..., group_secret: _Optional[bytes] = ..., nccl_unique_id: _Optional[bytes] = ..., announce_stream: _Optional[str] = ..., report_stream: _Optional[str] = ..., generator_id: _Optional[str] = ..., announce_public_key: _Optional[bytes] = ..., report_key: _Optional[bytes] = ...) -> None: ...
 
 class InitWeightTransferResponse(_message.Message):
-    __slots__ = ("digest_algorithms", "combined_pause_resume", "single_call_update")
+    __slots__ = ("digest_algorithms", "combined_pause_resume", "single_call_update", "announced_updates")
     DIGEST_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     COMBINED_PAUSE_RESUME_FIELD_NUMBER: _ClassVar[int]
     SINGLE_CALL_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCED_UPDATES_FIELD_NUMBER: _ClassVar[int]
     digest_algorithms: _containers.RepeatedScalarFieldContainer[str]
     combined_pause_resume: bool
     single_call_update: bool
-    def __init__(self, digest_algorithms: _Optional[_Iterable[str]] = ..., combined_pause_resume: _Optional[bool] = ..., single_call_update: _Optional[bool] = ...) -> None: ...
+    announced_updates: bool
+    def __init__(self, digest_algorithms: _Optional[_Iterable[str]] = ..., combined_pause_resume: _Optional[bool] = ..., single_call_update: _Optional[bool] = ..., announced_updates: _Optional[bool] = ...) -> None: ...
 
 class StartWeightUpdateRequest(_message.Message):
     __slots__ = ("version", "group_epoch", "pause_mode")
@@ -102,6 +114,20 @@ class UpdateWeightsResponse(_message.Message):
     num_tensors: int
     finished: FinishWeightUpdateResponse
     def __init__(self, num_tensors: _Optional[int] = ..., finished: _Optional[_Union[FinishWeightUpdateResponse, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsReport(_message.Message):
+    __slots__ = ("generator_id", "version", "group_epoch", "reply", "error")
+    GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    generator_id: str
+    version: int
+    group_epoch: int
+    reply: UpdateWeightsResponse
+    error: str
+    def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., reply: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FinishWeightUpdateRequest(_message.Message):
     __slots__ = ("version", "group_epoch", "resume")
