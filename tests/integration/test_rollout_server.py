@@ -204,3 +204,31 @@ async def test_prefix_cache_never_serves_kv_of_old_weights(mesh, tiny_model_dir)
         hf = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False,
                             eos_token_id=model.config.eos_token_id, pad_token_id=0)[0, len(prompt_ids):].tolist()
     assert list(sample.completion.token_ids) == hf[: len(sample.completion.token_ids)]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_announced_update_reaches_the_real_server_through_valkey(mesh, tiny_model_dir, valkey_url):
+    """weight_sync.announce_min_servers=1: the update is one signed entry on the run's Valkey, which
+    the real server follows, loads into vLLM and reports (no UpdateWeights call)."""
+    from rlmesh.services.queue import connect
+    from rlmesh.services.weights.announce import UpdateAnnouncer
+    from rlmesh.services.weights.wire import weights_digest
+
+    broadcaster, queue = mesh["broadcaster"], connect(valkey_url)
+    cfg = broadcaster.cfg
+    broadcaster.cfg = cfg.model_copy(update={"announce_min_servers": 1})
+    broadcaster.announcer, broadcaster.formed = UpdateAnnouncer(queue), False  # the next update re-forms the group
+    try:
+        named = list(_perturbed_hf_model(tiny_model_dir, seed=4).state_dict().items())
+        version = mesh["state"]["version"] + 1
+        mesh["state"]["version"] = version
+        await broadcaster.broadcast(version, WeightSource.of(named))
+        assert broadcaster.announced and broadcaster.verified_versions[-1] == version
+        status = await mesh["stub"].GetStatus(rollout_pb2.RolloutStatusRequest(include_weights_hash=True))
+        assert status.version == version and not status.paused
+        assert status.weights_digest == weights_digest(named, algorithm="blake3") == broadcaster.last_digest
+        _, (sample,) = await _generate(mesh["stub"], _prompt(1, greedy=True))
+        assert sample.min_version == version
+    finally:
+        broadcaster.cfg, broadcaster.announcer, broadcaster.formed = cfg, None, False
+        await queue.aclose()
