@@ -189,7 +189,7 @@ async def simulate(args: argparse.Namespace) -> None:
 class SimulatedSender:
     """The gloo sender's interface with nothing moved: every worker 'receives' SIM_DIGEST."""
 
-    engine, verifies = "rlmesh_gloo", True
+    engine, verifies, snapshots = "rlmesh_gloo", True, True
 
     def rendezvous(self, epoch: int):
         from rlmesh.services.weights.base import Rendezvous

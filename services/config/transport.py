@@ -53,7 +53,7 @@ class WeightSyncSection(Section):
     announce_min_servers: int = Field(32, ge=1)
     """Groups of at least this many rollout servers get each update announced once on a Valkey stream (one entry, whatever the number of servers) instead of one UpdateWeights call per server; smaller groups, and any group with a server that predates it, keep the calls."""
     snapshot: bool = True
-    """Copy the weights into a buffer kept across updates and send from it on a thread of its own, so the next training step waits only for the copy (costs a second copy of the sent weights in memory; needs single-call rollout servers)."""
+    """Copy the weights into a buffer kept across updates and send from it on a thread of its own, so the next training step waits only for the copy (costs a second copy of the sent weights in memory; gloo only, nccl sends from the GPU; needs single-call rollout servers)."""
 
     @model_validator(mode="after")
     def _dialable(self) -> "WeightSyncSection":

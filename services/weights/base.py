@@ -41,6 +41,9 @@ class Sender(Protocol):
     """Name the rollout server's vLLM weight-transfer engine is registered under."""
     verifies: bool
     """True if `send` returns the digest of the bytes sent, for the workers' digests to be checked against."""
+    snapshots: bool
+    """True if the learner may send from a CPU snapshot of the weights (`send_flat` on a thread of its own,
+    weight_sync.snapshot); False sends from the weights themselves on the torch thread."""
 
     def rendezvous(self, epoch: int) -> Rendezvous:
         """Mint group `epoch` (its prefix and secret, or NCCL id); sent to the workers in InitWeightTransfer."""

@@ -58,6 +58,7 @@ def listen(address: str, port: int) -> socket.socket:
 class GlooSender:
     engine = ENGINE
     verifies = True
+    snapshots = True
 
     def __init__(self, cfg: WeightSyncSection) -> None:
         self.cfg = cfg

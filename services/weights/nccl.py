@@ -29,6 +29,7 @@ UNIQUE_ID_BYTES = 128
 class NCCLSender:
     engine = ENGINE
     verifies = False
+    snapshots = False  # the weights stay on the GPU: a CPU copy would cross PCIe twice
 
     def __init__(self, cfg: WeightSyncSection) -> None:
         if not torch.cuda.is_available():
