@@ -24,6 +24,7 @@ import grpc
 from rlmesh.learner.membership import Generator, Membership
 from rlmesh.v1 import rollout_pb2
 from rlmesh.services.config import WeightSyncSection
+from rlmesh.services.weights.announce import LOST
 
 if TYPE_CHECKING:
     import torch
@@ -133,7 +134,11 @@ class WeightBroadcaster:
         ticket = self.transport.rendezvous(self.epoch)
         announce_stream = report_stream = ""
         if self.announcer is not None and len(members) >= self.cfg.announce_min_servers:
-            announce_stream, report_stream = await self.announcer.open(self.epoch)
+            try:
+                announce_stream, report_stream = await self.announcer.open(self.epoch)
+            except LOST as err:  # this group's updates go out as calls; the next group tries again
+                log.warning("weight updates of group epoch %d go out as one call per server: Valkey unreachable "
+                            "(%r)", self.epoch, err)
         request = lambda g: rollout_pb2.InitWeightTransferRequest(  # noqa: E731
             backend=self.cfg.backend, master_address=ticket.master_address, master_port=ticket.master_port,
             rank_offset=g.rank_offset, world_size=world, group_epoch=self.epoch, timeout_seconds=self.cfg.timeout_s,
@@ -253,11 +258,15 @@ class WeightBroadcaster:
             tensors=[rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas],
             start=start if single else None, finish=finish if single else None)
         if self.announced:  # one stream entry, whatever the number of members
-            updates = await self._announce(request, members)
+            try:
+                updates = await self._announce(request, members)
+            except LOST as err:  # nothing announced: rebuild (with calls, while Valkey is away) and retry
+                self.formed = False
+                raise BroadcastError(f"announcing v{version} failed: Valkey unreachable ({err!r})") from err
         else:
             updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
                        for g in members}
-        snapshot = self.cfg.snapshot and single and self.transport.snapshots
+        snapshot = self.cfg.snapshot and single
         try:
             if snapshot:
                 # The weights of `version` copied (a collective on every training rank, on the torch

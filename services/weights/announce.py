@@ -49,6 +49,7 @@ MAX_REPORT_BYTES = 64 * 2**10
 KEY_TTL_S = 24 * 3600
 """The streams of a group outlive the learner that made them by at most this long."""
 BLOCK_MS = 5000
+LOST = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class UpdateAnnouncer:
@@ -99,8 +100,13 @@ class UpdateAnnouncer:
         out: dict[str, rollout_pb2.UpdateWeightsResponse | Exception] = {}
         deadline = time.monotonic() + timeout_s
         while len(out) < len(member_ids) and (left_s := deadline - time.monotonic()) > 0:
-            got = await self.client.xread({self.report_key: self._last_report}, count=max(len(member_ids), 16),
-                                          block=max(1, int(min(left_s, BLOCK_MS / 1000) * 1000)))
+            try:
+                got = await self.client.xread({self.report_key: self._last_report}, count=max(len(member_ids), 16),
+                                              block=max(1, int(min(left_s, BLOCK_MS / 1000) * 1000)))
+            except LOST as err:  # read on from the last report once it is back, until the deadline
+                log.warning("reading weight-update reports: Valkey unreachable (%r); retrying", err)
+                await asyncio.sleep(min(0.5, max(left_s, 0.0)))
+                continue
             for _, entries in got or []:
                 for entry_id, fields in entries:
                     self._last_report = entry_id
@@ -145,7 +151,7 @@ async def follow_updates(client: aioredis.Redis, init: rollout_pb2.InitWeightTra
     while True:
         try:
             got = await client.xread({init.announce_stream: last}, count=1, block=block_ms)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as err:
+        except LOST as err:
             log.warning("announced weight updates: Valkey unreachable (%r); retrying in 1 s", err)
             await asyncio.sleep(1.0)
             continue
@@ -162,8 +168,15 @@ async def follow_updates(client: aioredis.Redis, init: rollout_pb2.InitWeightTra
                     log.error("announced weight update v%d failed: %r", report.version, err)
                     report.error = f"{type(err).__name__}: {err}"[:4096]
                 data = report.SerializeToString()
-                await client.xadd(init.report_stream, {REPORT_FIELD: data, MAC_FIELD: hmac.new(
-                    init.report_key, data, hashlib.sha256).digest()}, maxlen=1_000_000, approximate=True)
+                fields = {REPORT_FIELD: data, MAC_FIELD: hmac.new(init.report_key, data, hashlib.sha256).digest()}
+                for attempt in range(10):  # a report lost with Valkey costs this server its place in the group
+                    try:
+                        await client.xadd(init.report_stream, fields, maxlen=1_000_000, approximate=True)
+                        break
+                    except LOST as err:
+                        log.warning("reporting weight update v%d: Valkey unreachable (%r); retrying", report.version,
+                                    err)
+                        await asyncio.sleep(1.0)
 
 
 def signed(fields: dict, public_key: Ed25519PublicKey) -> bool:

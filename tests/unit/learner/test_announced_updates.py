@@ -209,3 +209,17 @@ async def test_a_stranger_without_the_valkey_password_can_neither_announce_nor_r
         assert await member.xlen("test:stranger:1:updates") == 1
     finally:
         server.stop()
+
+
+async def test_with_valkey_unreachable_the_group_falls_back_to_one_call_per_server(valkey_url):
+    from rlmesh.services.ports import free_port
+
+    engine = Engine()
+    server, service, _, broadcaster = await _plane(valkey_url, engine)
+    broadcaster.announcer = UpdateAnnouncer(connect(f"redis://127.0.0.1:{free_port()}"))  # nothing listens there
+    try:
+        await broadcaster.broadcast(1, WeightSource.of(_named(1)))
+        assert not broadcaster.announced and service.num_update_calls == 1
+        assert broadcaster.verified_versions == [1] and engine.version == 1
+    finally:
+        await server.stop(0)
