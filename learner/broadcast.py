@@ -266,7 +266,7 @@ class WeightBroadcaster:
         else:
             updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
                        for g in members}
-        snapshot = self.cfg.snapshot and single
+        snapshot = self.cfg.snapshot and single and self.transport.snapshots
         try:
             if snapshot:
                 # The weights of `version` copied (a collective on every training rank, on the torch
