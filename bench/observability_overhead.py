@@ -7,7 +7,8 @@ On: `logging.trackers=[jsonl,tensorboard,wandb,mlflow]` (W&B offline, MLflow to 
 (`OTEL_EXPORTER_OTLP_ENDPOINT`) to a receiver this script runs, which decodes every span it is sent.
 Off: metrics.jsonl only (always written), no metrics port, text logs, no traces. `--sides off,on,on-noprom`
 adds an ablation: everything on but the Prometheus endpoints (no `logging.metrics_port`, so no vLLM engine
-stats and no scraping either).
+stats and no scraping either); `on-sampled` is everything on with one prompt group in ten traced
+(`logging.trace_sample_ratio=0.1`).
 
 Measured: the RL loop time, first to last training step from metrics.jsonl (start-up and the SFT warm
 start excluded). Both sides start from one shared SFT warm start (made once, by `rlmesh sft`, with the
@@ -36,7 +37,8 @@ CONFIG = REPO / "examples/arithmetic_grpo.yaml"
 ON = ["logging.trackers=[jsonl,tensorboard,wandb,mlflow]", "logging.metrics_port=0", "logging.format=json",
       "logging.trace_file=true"]
 OFF = ["logging.trackers=[jsonl]", "logging.format=text", "logging.trace_file=false"]
-SIDES = {"off": OFF, "on": ON, "on-noprom": [o for o in ON if not o.startswith("logging.metrics_port")]}
+SIDES = {"off": OFF, "on": ON, "on-noprom": [o for o in ON if not o.startswith("logging.metrics_port")],
+         "on-sampled": [*ON, "logging.trace_sample_ratio=0.1"]}
 
 
 class Receiver(ThreadingHTTPServer):
@@ -114,7 +116,7 @@ def run(side: str, seed: int, steps: int, config: Path, out: Path, receiver: Rec
     spans0, load0 = receiver.num_spans, os.getloadavg()[0]
     stop, scrapes = threading.Event(), {}
     scraper = threading.Thread(target=scrape, args=(run_dir, stop, scrapes), daemon=True)
-    if side == "on":
+    if any(o.startswith("logging.metrics_port") for o in SIDES[side]):
         scraper.start()
     try:
         subprocess.run(cmd, check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -167,8 +169,9 @@ def main() -> None:
           + "".join(f"; {side} / off {m / means['off']:.3f}" for side, m in means.items() if side != "off")
           + f" (target for on / off: <= 1.05) over {len(seeds)} seed(s); load average now {os.getloadavg()}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": results, "off_mean_s": means["off"], "on_mean_s": means["on"],
-                                               "ratio": means["on"] / means["off"], "means": means,
+        on = means.get("on", means[sides[-1]])
+        Path(args.json).write_text(json.dumps({"runs": results, "off_mean_s": means["off"], "on_mean_s": on,
+                                               "ratio": on / means["off"], "means": means,
                                                "steps": args.steps}, indent=2))
 
 
