@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from types import SimpleNamespace
 
 import pytest
 
@@ -26,42 +25,23 @@ from rlmesh.services.queue import connect  # noqa: E402
 from rlmesh.services.valkey import EMBEDDED_USER, start_embedded_valkey  # noqa: E402
 from rlmesh.services.weights.announce import (  # noqa: E402
     MAC_FIELD, MAX_REPORT_BYTES, REPORT_FIELD, SIGNATURE_FIELD, UPDATE_FIELD, UpdateAnnouncer, follow_updates)
-from rlmesh.services.weights.base import Rendezvous, build_receiver, build_sender  # noqa: E402
-from rlmesh.services.weights.gloo import join_group, receive  # noqa: E402
-from rlmesh.services.weights.wire import BackgroundDigest, TensorMeta, weights_digest  # noqa: E402
+from rlmesh.services.weights.base import build_receiver, build_sender  # noqa: E402
+from rlmesh.services.weights.wire import weights_digest  # noqa: E402
 from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from tests.unit.learner.test_broadcast import StandInEngine  # noqa: E402
 
 
-class Engine:
-    """The part of VLLMGenerator the weight path uses; receives over gloo as the gloo engine does."""
+class Engine(StandInEngine):
+    """The broadcast tests' stand-in engine (receives over gloo), optionally failing to finish."""
 
     def __init__(self, fail_finish: bool = False) -> None:
-        self.group, self.weights, self.digest, self.version, self.fail_finish = None, {}, "", 0, fail_finish
-        self.busy = SimpleNamespace(seconds=0.0)
-
-    async def init_weight_transfer(self, info: dict, group_epoch: int) -> None:
-        ticket = Rendezvous(info["master_address"], info["master_port"], info["group_prefix"],
-                            bytes.fromhex(info["group_secret"]))
-        self.group = await asyncio.to_thread(join_group, ticket, info["rank_offset"], info["world_size"],
-                                             info["timeout_seconds"])
-
-    async def update_weights(self, info: dict) -> None:
-        metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"])]
-        digest = BackgroundDigest(info["digest_algorithm"])
-        self.weights = await asyncio.to_thread(lambda: {n: t.clone() for n, t in receive(self.group, metas, digest)})
-        self.digest = digest.hexdigest()
+        super().__init__()
+        self.fail_finish = fail_finish
 
     async def finish_weight_update(self, version: int) -> None:
         if self.fail_finish:
             raise RuntimeError("the engine failed to finish the update")
-        self.version = version
-
-    async def received_digests(self) -> list[str]:
-        return [self.digest]
-
-    async def start_weight_update(self) -> None: ...
-    async def pause(self, mode: str) -> None: ...
-    async def resume(self) -> None: ...
+        await super().finish_weight_update(version)
 
 
 class CountingService(RolloutService):
