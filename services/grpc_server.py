@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -200,6 +201,29 @@ class Server:
         stopper.cancel()
 
 
+BIND_RETRY_S = 10.0
+"""How long a fixed port is retried: `rlmesh up` hands each service a port it found free, and until
+the service binds it a local client dialling it (a tier waiting for the learner) can be given that very
+port as its own source port (TCP connects to itself), holding it for a moment."""
+
+
+async def _bind(server: grpc.aio.Server, address: str, tls: TLSFiles | None, retry_s: float) -> int:
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            bound = server.add_secure_port(address, tls.server_credentials()) if tls else \
+                server.add_insecure_port(address)
+        except RuntimeError:
+            bound = 0
+        if bound:
+            return bound
+        if time.monotonic() >= deadline:
+            raise OSError(f"could not bind gRPC server to {address}; is the port in use? (give the service another "
+                          "port, or 0 for any free one)")
+        log.warning("port %s is busy; retrying", address)
+        await asyncio.sleep(0.5)
+
+
 async def start_server(
     services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
     *,
@@ -233,11 +257,7 @@ async def start_server(
         server,
     )
     address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise OSError(f"could not bind gRPC server to {address}; is the port in use?")
+    bound = await _bind(server, address, tls, retry_s=BIND_RETRY_S if port else 0.0)
     await server.start()
     wrapped = Server(server, bound, health, names)
     await wrapped.set_serving(True)
