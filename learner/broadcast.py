@@ -285,13 +285,11 @@ class WeightBroadcaster:
                 # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
                 "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
                 "weights_verified": float(self.transport.verifies)}
-        if snapshot:
+        if snapshot:  # the digest is the transfer's, once it is done
             if self._wire is None:
                 self._wire = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-weights")
-            transfer = asyncio.get_running_loop().run_in_executor(
+            digest = asyncio.get_running_loop().run_in_executor(
                 self._wire, self.transport.send_flat, flats, metas, algorithm)
-            self._completing = asyncio.ensure_future(self._complete(version, transfer, members, updates))
-            return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
         if single:
             self._completing = asyncio.ensure_future(self._complete(version, digest, members, updates))
             return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
