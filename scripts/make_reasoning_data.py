@@ -96,15 +96,23 @@ def row(problem: Problem) -> dict[str, str]:
             "rejected": " ".join([*lines[:-1], f"\\boxed{{{early}}}"])}
 
 
-def make_rows(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, str]]:
-    rows = []
-    while len(rows) < num:
-        problem = rng.choice(KINDS)(rng)
-        if problem[0] in seen:  # train and test never share a question
-            continue
-        seen.add(problem[0])
-        rows.append(row(problem))
-    return rows
+def rows_of(draw: Callable[[random.Random], Problem]) -> Callable[[int, random.Random, set[str]], list[dict[str, str]]]:
+    """A row maker drawing problems with `draw`."""
+
+    def make(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, str]]:
+        rows = []
+        while len(rows) < num:
+            problem = draw(rng)
+            if problem[0] in seen:  # train and test never share a question
+                continue
+            seen.add(problem[0])
+            rows.append(row(problem))
+        return rows
+
+    return make
+
+
+make_rows = rows_of(lambda rng: rng.choice(KINDS)(rng))
 
 
 GAINS, LOSSES = ["buys", "finds", "gets"], ["sells", "loses", "gives"]
@@ -131,15 +139,7 @@ def running_count(rng: random.Random) -> Problem:
     return (f"{name} has {start} {item}. Then {he.lower()} {', '.join(phrases)}. How many {item} are left?", steps)
 
 
-def make_long_rows(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, str]]:
-    rows = []
-    while len(rows) < num:
-        problem = running_count(rng)
-        if problem[0] in seen:
-            continue
-        seen.add(problem[0])
-        rows.append(row(problem))
-    return rows
+make_long_rows = rows_of(running_count)
 
 
 def main() -> None:
