@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from rlmesh.services.weights.announce import UpdateAnnouncer
     from rlmesh.services.weights.base import Sender
-    from rlmesh.services.weights.wire import TensorMeta
+    from rlmesh.services.weights.wire import Handoff, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,8 @@ class WeightBroadcaster:
         behind = [gid for gid, r in replies.items() if wanted not in (list(r.digest_algorithms) or ["sha256"])]
         if behind and wanted != "sha256":
             log.warning("weight digests fall back to sha256: %s cannot digest with weight_sync.digest_algorithm=%s "
-                        "(an older rlmesh); upgrade it to get the faster digest", ", ".join(behind), wanted)
+                        "(an older rlmesh, or one without that hash package: pip install blake3 xxhash); upgrade it to get the "
+                        "faster digest", ", ".join(behind), wanted)
             return "sha256"
         return wanted
 
@@ -267,15 +268,23 @@ class WeightBroadcaster:
             updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
                        for g in members}
         snapshot = self.cfg.snapshot and single and self.transport.snapshots
+        if snapshot:  # the transfer starts on its own thread and sends each bucket once it is copied
+            if self._wire is None:
+                self._wire = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-weights")
+            from rlmesh.services.weights.wire import Handoff
+
+            handoff = Handoff()
+            digest = asyncio.get_running_loop().run_in_executor(
+                self._wire, self.transport.send_flat, handoff, metas, algorithm)
         try:
             if snapshot:
                 # The weights of `version` copied (a collective on every training rank, on the torch
                 # thread): the transfer reads only this copy, so the next step may change the parameters.
-                flats = await self.run_torch(self._take_snapshot, source, metas)
+                await self.run_torch(self._take_snapshot, source, metas, handoff)
             else:
                 digest = await self.run_torch(lambda: self.transport.send(source.stream(), metas, algorithm))
         except Exception as err:
-            await asyncio.gather(*updates.values(), return_exceptions=True)
+            await asyncio.gather(*updates.values(), *([digest] if snapshot else []), return_exceptions=True)
             await self._gather("UpdateWeights", updates)
             self.formed = False
             raise BroadcastError(f"{self.cfg.backend} send failed: {err}") from err
@@ -285,12 +294,7 @@ class WeightBroadcaster:
                 # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
                 "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
                 "weights_verified": float(self.transport.verifies)}
-        if snapshot:  # the digest is the transfer's, once it is done
-            if self._wire is None:
-                self._wire = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-weights")
-            digest = asyncio.get_running_loop().run_in_executor(
-                self._wire, self.transport.send_flat, flats, metas, algorithm)
-        if single:
+        if single:  # with a snapshot, `digest` is the transfer's future
             self._completing = asyncio.ensure_future(self._complete(version, digest, members, updates))
             return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
         await self._gather("UpdateWeights", updates)
@@ -309,12 +313,17 @@ class WeightBroadcaster:
         self._record(version, digest, finished, members)
         return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
 
-    def _take_snapshot(self, source: WeightSource, metas: list[TensorMeta]) -> list[torch.Tensor]:
+    def _take_snapshot(self, source: WeightSource, metas: list[TensorMeta], handoff: Handoff) -> None:
         from rlmesh.services.weights.wire import Snapshot
 
         if self._snapshot is None:
             self._snapshot = Snapshot()
-        return self._snapshot.take(source.stream(), metas)
+        try:
+            self._snapshot.take(source.stream(), metas, ready=handoff.put)
+        except BaseException as err:
+            handoff.end(err)  # the transfer stops where the copy did, and fails
+            raise
+        handoff.end()
 
     async def _complete(self, version: int, digest: str | asyncio.Future, members: list[Generator],
                         updates: dict[str, asyncio.Future]) -> dict[str, float]:

@@ -59,6 +59,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(*args, **kwargs)
         self._group = None
         self._rank = -1
+        self._buffers = None  # wire.WireBuffers: this worker's receive buffers, kept across updates
         self.received_digest = ""
         """Digest of the bytes the last update received (read through `WorkerDigests`)."""
 
@@ -94,16 +95,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         from rlmesh.services.weights.gloo import receive
-        from rlmesh.services.weights.wire import BackgroundDigest, TensorMeta
+        from rlmesh.services.weights.wire import BackgroundDigest, TensorMeta, WireBuffers
 
         if self._group is None:
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
         metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
         digest = BackgroundDigest(update_info.digest_algorithm)
+        # The buckets land in buffers kept across updates (fresh pages cost more than the copy
+        # into them; the price is one copy of the sent weights in this worker's memory). The
+        # layerwise reload holds views of them only until the update is finalized.
+        if self._buffers is None:
+            self._buffers = WireBuffers()
         # One load_weights call over the whole stream (it takes any iterable): the next bucket is
         # received, and this one digested on a side thread, while this one's tensors are copied in.
         try:
-            self.load_received(receive(self._group, metas, digest), update_info)
+            self.load_received(receive(self._group, metas, digest, into=self._buffers), update_info)
         except BaseException:
             digest.close()
             raise

@@ -48,8 +48,8 @@ class WeightSyncSection(Section):
     """Deadline of one broadcast round (rendezvous included)."""
     control_concurrency: int = Field(64, ge=1)
     """Most per-step control calls (pause, start, finish, resume) the learner has in flight at once across rollout servers; the weight transfer itself always goes to all at once."""
-    digest_algorithm: Literal["blake3", "sha256"] = "blake3"
-    """Digest both sides take of every gloo transfer: blake3 (faster), or sha256; a group with a rollout server that predates blake3 uses sha256."""
+    digest_algorithm: Literal["blake3", "xxh3", "sha256"] = "blake3"
+    """Digest both sides take of every gloo transfer: blake3 (cryptographic: catches tampering on the weight network), xxh3 (~5x faster, catches corruption only: for a weight network strangers cannot reach), or sha256; a group with a rollout server that cannot digest with it uses sha256."""
     announce_min_servers: int = Field(32, ge=1)
     """Groups of at least this many rollout servers get each update announced once on a Valkey stream (one entry, whatever the number of servers) instead of one UpdateWeights call per server; smaller groups, and any group with a server that predates it, keep the calls."""
     snapshot: bool = True

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from rlmesh.services.config import WeightSyncSection
 from rlmesh.services.weights.base import Rendezvous, check_init, rank_proof
 from rlmesh.services.weights.wire import (
-    DIGEST_ALGORITHMS,
     BackgroundDigest,
     TensorMeta,
+    WireBuffers,
     buckets,
     flat_buckets,
+    installed_digests,
     unflatten,
 )
 from rlmesh.v1 import rollout_pb2
@@ -116,10 +117,10 @@ class GlooSender:
 
 class GlooReceiver:
     engine = ENGINE
-    digest_algorithms = DIGEST_ALGORITHMS
 
     def __init__(self, cfg: WeightSyncSection) -> None:
         self.cfg = cfg
+        self.digest_algorithms = installed_digests()
 
     def init_info(self, request: rollout_pb2.InitWeightTransferRequest) -> dict:
         check_init(self.cfg, request)
@@ -168,14 +169,17 @@ def join_group(ticket: Rendezvous, rank: int, world_size: int, timeout_s: float)
     return join(store, ticket, rank, world_size, timeout_s)
 
 
-def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: BackgroundDigest | None = None
-            ) -> Iterator[tuple[str, torch.Tensor]]:
+def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: BackgroundDigest | None = None,
+            into: WireBuffers | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive the broadcast bucket by bucket, yielding (name, tensor) views. The next bucket is
     already being received, and this one digested on `digest`'s thread, while the caller loads the
-    tensors of this one."""
+    tensors of this one. With `into`, the buckets land in its buffers (kept for the next update:
+    the caller must be done with this update's views by then) instead of fresh ones."""
     in_flight = None
-    for idx in buckets(metas):
-        flat = torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype))
+    flats = into.of(metas) if into is not None else None
+    for b, idx in enumerate(buckets(metas)):
+        flat = (flats[b] if flats is not None else
+                torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype)))
         work = group.broadcast(flat, 0)
         if in_flight is not None:
             yield from _received(*in_flight, metas, digest)

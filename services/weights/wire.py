@@ -6,7 +6,8 @@ contract code."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+import queue
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -14,9 +15,11 @@ import torch
 
 BUCKET_BYTES = 64 * 1024 * 1024
 
-DIGEST_ALGORITHMS = ("blake3", "sha256")
+DIGEST_ALGORITHMS = ("blake3", "xxh3", "sha256")
 """What a gloo receiver can digest with, preferred first (InitWeightTransferResponse.digest_algorithms).
-BLAKE3 is cryptographic like sha256 and 2-4x faster on one core; sha256 stays for older peers."""
+BLAKE3 is cryptographic like sha256 and 2-4x faster on one core; xxh3 (128-bit) is another ~5x faster
+but not cryptographic: it catches corruption, not a forger on the weight network (opt-in,
+weight_sync.digest_algorithm); sha256 stays for older peers."""
 
 
 @dataclass(frozen=True)
@@ -76,32 +79,78 @@ def _in_layout(item: tuple[str, torch.Tensor], m: TensorMeta) -> torch.Tensor:
     return tensor.detach()
 
 
-class Snapshot:
-    """The weights in the wire layout (one flat CPU tensor per bucket), in buffers kept across
-    updates: taking it copies every byte once, and from then on the source may change (the next
-    training step) while the copy is sent. Costs a second copy of what is sent in memory."""
+class WireBuffers:
+    """One flat CPU tensor per bucket of a layout, kept across updates: writing into them again
+    costs a copy, not fresh pages (allocating and first touching them cost more than the copy)."""
 
     def __init__(self) -> None:
         self.metas: list[TensorMeta] = []
         self.flats: list[torch.Tensor] = []
 
-    def take(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> list[torch.Tensor]:
-        """Copy `named` (streamed in `metas` order) into the buffers; returns them, one per bucket.
-        Valid until the next `take`."""
-        if metas != self.metas:  # a new layout (first update, or the adapter's shape changed)
+    def of(self, metas: list[TensorMeta]) -> list[torch.Tensor]:
+        """The buffers for `metas`, made anew only when the layout changed (the first update, or the
+        adapter's shape changed)."""
+        if metas != self.metas:
             self.flats = [torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype))
                           for idx in buckets(metas)]
             self.metas = list(metas)
+        return self.flats
+
+
+class Snapshot(WireBuffers):
+    """The weights in the wire layout, in buffers kept across updates: taking it copies every byte
+    once, and from then on the source may change (the next training step) while the copy is sent.
+    Costs a second copy of what is sent in memory."""
+
+    def take(self, named: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta],
+             ready: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
+        """Copy `named` (streamed in `metas` order) into the buffers, handing each bucket to `ready`
+        as soon as it is copied (the sender starts on it while the next is copied); returns them,
+        one per bucket. Valid until the next `take`."""
         it = iter(named)
-        for flat, idx in zip(self.flats, buckets(metas)):
+        flats = self.of(metas)
+        for flat, idx in zip(flats, buckets(metas)):
             offset = 0
             for i in idx:
                 m = metas[i]
                 flat[offset : offset + m.numel].view(m.shape).copy_(_in_layout(next(it), m))
                 offset += m.numel
+            if ready is not None:
+                ready(flat)
         for _ in it:  # let a generator source run to its end (it may close a collective on other ranks)
             raise ValueError("weight stream has more tensors than the layout lists")
-        return self.flats
+        return flats
+
+
+class Handoff:
+    """Buckets passed in order from the thread that copies them (`put`, then `end`) to the thread
+    that sends them (iterating); a copy that fails part-way ends with its error, which the sender's
+    iteration raises."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, flat: torch.Tensor) -> None:
+        self._queue.put(flat)
+
+    def end(self, error: BaseException | None = None) -> None:
+        self._queue.put(self._END if error is None else error)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while (item := self._queue.get()) is not self._END:
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"the weight snapshot failed part-way ({item!r})") from item
+            yield item
+
+
+def installed_digests() -> tuple[str, ...]:
+    """The DIGEST_ALGORITHMS this process can compute (a receiver advertises only these)."""
+    import importlib.util
+
+    return tuple(a for a in DIGEST_ALGORITHMS
+                 if a == "sha256" or importlib.util.find_spec({"xxh3": "xxhash"}.get(a, a)) is not None)
 
 
 def new_digest(algorithm: str):
@@ -112,14 +161,18 @@ def new_digest(algorithm: str):
         import blake3
 
         return blake3.blake3()
+    if algorithm == "xxh3":
+        import xxhash
+
+        return xxhash.xxh3_128()
     raise ValueError(f"digest algorithm {algorithm!r} is not one of {', '.join(DIGEST_ALGORITHMS)} "
                      "(weight_sync.digest_algorithm); run the same rlmesh version on learner and rollout servers")
 
 
 class BackgroundDigest:
     """Digests buckets in order on one side thread, so hashing bucket i overlaps sending, receiving
-    or loading the next (both hash libraries release the GIL). A submitted bucket must not change
-    until `hexdigest` returns."""
+    or loading the next (every hash library here releases the GIL on large buffers). A submitted
+    bucket must not change until `hexdigest` returns."""
 
     def __init__(self, algorithm: str = "sha256") -> None:
         self.algorithm = algorithm or "sha256"

@@ -127,7 +127,7 @@ def test_gloo_receiver_digests_in_the_algorithm_the_update_names_and_sha256_when
     from rlmesh.v1 import rollout_pb2
 
     receiver = build_receiver(WeightSyncSection(backend="gloo", timeout_s=5))
-    assert receiver.digest_algorithms == ("blake3", "sha256")
+    assert receiver.digest_algorithms == ("blake3", "xxh3", "sha256")
     spec = [rollout_pb2.TensorSpec(name="w", dtype="float32", shape=[2])]
     old_learner = rollout_pb2.UpdateWeightsRequest(version=1, tensors=spec)  # predates digest_algorithm
     assert receiver.update_info(old_learner)["digest_algorithm"] == "sha256"
@@ -186,13 +186,16 @@ def _worker(sender, ticket, rank=1, world_size=2):
     return thread, outcome
 
 
-@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize("algorithm", ["blake3", "xxh3", "sha256"])
 def test_gloo_send_and_receive_over_several_buckets_keep_bytes_order_and_digest(algorithm):
     """A real two-rank gloo group on loopback (the receiver on a thread): with two buckets in flight
     on both sides and each side digesting on its own side thread, every tensor arrives intact, in
-    order, and both digests equal the wire digest in the agreed algorithm (and differ across algorithms)."""
+    order, and both digests equal the wire digest in the agreed algorithm (and differ across
+    algorithms). A second update lands in the same receive buffers, with the new bytes."""
+    import threading
+
     from rlmesh.services.weights.gloo import receive
-    from rlmesh.services.weights.wire import BackgroundDigest
+    from rlmesh.services.weights.wire import DIGEST_ALGORITHMS, BackgroundDigest, WireBuffers
 
     named = _named() + [("e", torch.randn(7, 3)), ("f", torch.arange(5)), ("g", torch.randn(4))]
     metas = describe(named)
@@ -201,19 +204,46 @@ def test_gloo_send_and_receive_over_several_buckets_keep_bytes_order_and_digest(
     thread, outcome = _worker(sender, sender.rendezvous(7))
     sender.form_group(epoch=7, world_size=2)
     thread.join(30)
-    got, digest = [], BackgroundDigest(algorithm)
-    import threading
+    buffers, pointers = WireBuffers(), []
+    for round_ in range(2):
+        got, digest = [], BackgroundDigest(algorithm)
+        receiver = threading.Thread(target=lambda: got.extend(
+            (name, t.clone()) for name, t in receive(outcome["group"], metas, digest, into=buffers)))
+        receiver.start()
+        sent = sender.send(iter(named), metas, algorithm)
+        receiver.join(30)
+        assert [n for n, _ in got] == [n for n, _ in named]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, named))
+        assert sent == digest.hexdigest() == weights_digest(named, algorithm=algorithm)
+        pointers.append([t.data_ptr() for t in buffers.flats])
+        with torch.no_grad():
+            named[0][1].add_(1)  # the next round sends other bytes
+    assert pointers[0] == pointers[1]
+    assert len({weights_digest(named, algorithm=a) for a in DIGEST_ALGORITHMS}) == len(DIGEST_ALGORITHMS)
 
-    receiver = threading.Thread(target=lambda: got.extend(
-        (name, t.clone()) for name, t in receive(outcome["group"], metas, digest)))
-    receiver.start()
-    sent = sender.send(iter(named), metas, algorithm)
-    receiver.join(30)
-    assert [n for n, _ in got] == [n for n, _ in named]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, named))
-    assert sent == digest.hexdigest() == weights_digest(named, algorithm=algorithm)
-    other = "sha256" if algorithm == "blake3" else "blake3"
-    assert weights_digest(named, algorithm=other) != sent
+
+def test_a_snapshot_hands_each_bucket_over_as_soon_as_it_is_copied():
+    """The sender iterates the hand-off while the copy runs: each bucket arrives in order, fully
+    copied; a copy that fails part-way ends the sender's iteration with that error."""
+    from rlmesh.services.weights.wire import Handoff
+
+    named, snapshot = _named(), Snapshot()
+    metas = describe(named)
+    handoff, seen = Handoff(), []
+    snapshot.take(iter(named), metas, ready=lambda flat: seen.append((flat.clone(), handoff.put(flat))))
+    handoff.end()
+    got = list(handoff)
+    assert [torch.equal(a, b) for a, b in zip(got, flat_buckets(named, metas))] == [True] * 3
+    assert [torch.equal(a, b) for (a, _), b in zip(seen, got)] == [True] * 3  # complete when handed over
+
+    handoff = Handoff()
+    with pytest.raises(ValueError, match="out of order"):
+        snapshot.take(iter([named[0], named[1], named[3], named[2]]), metas, ready=handoff.put)
+    handoff.end(ValueError("out of order"))
+    sent = iter(handoff)
+    assert torch.equal(next(sent), flat_buckets(named, metas).__next__())  # the bucket copied before the error
+    with pytest.raises(RuntimeError, match="snapshot failed part-way"):
+        next(sent)
 
 
 def test_a_rank_without_the_group_secret_is_refused_by_every_other_rank():
