@@ -160,7 +160,7 @@ def new_digest(algorithm: str):
     if algorithm == "blake3":
         import blake3
 
-        return blake3.blake3()
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)
     if algorithm == "xxh3":
         import xxhash
 
