@@ -90,14 +90,18 @@ def setup_tracing(service: str, trace_file: Path | None = None, sample_ratio: fl
 
     os.environ.setdefault("OTEL_SERVICE_NAME", service)
     provider = TracerProvider(resource=Resource.create({"service.name": service}), sampler=trace_sampler(sample_ratio))
+    exporters: list[Any] = []
     if otlp:
         if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        exporters.append(OTLPSpanExporter())
     if trace_file is not None:
-        provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(trace_file)))
+        exporters.append(JsonlSpanExporter(trace_file))
+    # One batch processor (one queue, one export thread) hands each batch to every exporter: a
+    # processor per exporter would queue every span twice, on the serving thread.
+    provider.add_span_processor(BatchSpanProcessor(exporters[0] if len(exporters) == 1 else FanOutExporter(exporters)))
     trace.set_tracer_provider(provider)
 
 
@@ -135,6 +139,28 @@ class JsonlSpanExporter:
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+class FanOutExporter:
+    """Exports each batch of spans to every one of `exporters`, in order; the batch fails if any
+    exporter fails (each exporter retries on its own)."""
+
+    def __init__(self, exporters: Sequence[Any]) -> None:
+        self.exporters = list(exporters)
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        results = [exporter.export(spans) for exporter in self.exporters]
+        ok = all(r == SpanExportResult.SUCCESS for r in results)
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        for exporter in self.exporters:
+            exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return all([exporter.force_flush(timeout_millis) for exporter in self.exporters])
 
 
 def _span_record(span: Any) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The Prometheus endpoint helper (port file, /metrics over HTTP), JSON log lines carrying the
-span's group id, version and trace id, and the JSONL span exporter."""
+span's group id, version and trace id, the JSONL span exporter, and one batch of spans going to
+every exporter (OTLP and the trace file) from one queue."""
 
 import io
 import json
@@ -11,7 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from rlmesh.services.config import RunConfig
 from rlmesh.services.prom import read_ports, serve_metrics
-from rlmesh.services.telemetry import GROUP_ID, VERSION, JsonFormatter, JsonlSpanExporter
+from rlmesh.services.telemetry import GROUP_ID, VERSION, FanOutExporter, JsonFormatter, JsonlSpanExporter
 
 
 def test_metrics_endpoint_on_a_free_port_is_written_to_the_run_dir(tmp_path):
@@ -73,3 +74,42 @@ def test_trace_sampling_is_decided_where_a_trace_starts_and_followed_downstream(
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     assert trace_sampler(1.0) is None  # the SDK's own variable wins
 
+
+
+class _Failing:
+    def __init__(self) -> None:
+        self.num_exported, self.closed = 0, False
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.num_exported += len(spans)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def test_one_batch_processor_hands_every_span_to_every_exporter(tmp_path):
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    memory, failing = InMemorySpanExporter(), _Failing()
+    fan_out = FanOutExporter([memory, failing, JsonlSpanExporter(tmp_path / "t.jsonl")])
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(fan_out))
+    tracer = provider.get_tracer("test")
+    for name in ("issue", "generate", "score"):
+        with tracer.start_as_current_span(name, attributes={GROUP_ID: "g"}):
+            pass
+    assert provider.force_flush()
+    assert [s.name for s in memory.get_finished_spans()] == ["issue", "generate", "score"]
+    assert [json.loads(line)["name"] for line in (tmp_path / "t.jsonl").read_text().splitlines()] == \
+        ["issue", "generate", "score"]
+    assert failing.num_exported == 3  # one exporter failing keeps none of the others from its spans
+    assert fan_out.export(memory.get_finished_spans()) == SpanExportResult.FAILURE
+    provider.shutdown()
+    assert failing.closed
