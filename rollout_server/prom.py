@@ -1,7 +1,8 @@
 """The rollout server's Prometheus metrics (`rlmesh_rollout_*`): read from the generator and the
 queue worker when scraped (a collector, so the hot path only bumps its own plain counters), and the
 engine's running and waiting sequences and KV-cache use from a vLLM stat logger (engine stats are
-collected only when the metrics endpoint is on)."""
+collected only when the metrics endpoint is on; without vLLM's own series, only the scheduler's
+numbers are, not vLLM's per-request statistics: `skip_request_stats`)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,23 @@ def engine_stats_logger(vllm_metrics: bool = False) -> Any:
             pass
 
     return EngineStats if vllm_metrics else EngineStatsOnly
+
+
+def skip_request_stats(engine: Any) -> None:
+    """Stop `engine`'s (an AsyncLLM's) front-end from keeping vLLM's per-request statistics.
+
+    Any stat logger switches vLLM's statistics on in both the engine core (the scheduler's numbers
+    each engine step, which `EngineStatsOnly` copies) and the front-end, which then updates an
+    IterationStats for every request's every output and every finished request (latencies, token
+    counts) that only vLLM's own series read. On the demo's short samples that per-request
+    bookkeeping was ~7% of the front-end's CPU, on the core generation runs on: with
+    `logging.vllm_metrics` off, the front-end skips it (LoRA request states included, which only
+    those statistics keep)."""
+    processor = engine.output_processor
+    processor.lora_states.log_stats = False
+    processor._update_stats_from_output = _skip
+    processor._update_stats_from_finished = _skip
+
+
+def _skip(*args: Any) -> None:
+    pass

@@ -130,6 +130,10 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
 
         generator.stat_loggers.append(engine_stats_logger(config.logging.vllm_metrics))
     await generator.start()
+    if config.logging.metrics_port is not None and not config.logging.vllm_metrics:
+        from rlmesh.rollout_server.prom import skip_request_stats
+
+        skip_request_stats(generator.engine)
     if placeholder:
         generator.start_warm_up()
 
