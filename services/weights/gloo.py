@@ -25,6 +25,7 @@ from rlmesh.services.weights.wire import (
     BackgroundDigest,
     TensorMeta,
     WireBuffers,
+    bucket_buffer,
     buckets,
     flat_buckets,
     installed_digests,
@@ -178,8 +179,7 @@ def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: Backgroun
     in_flight = None
     flats = into.of(metas) if into is not None else None
     for b, idx in enumerate(buckets(metas)):
-        flat = (flats[b] if flats is not None else
-                torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype)))
+        flat = flats[b] if flats is not None else bucket_buffer(metas, idx)
         work = group.broadcast(flat, 0)
         if in_flight is not None:
             yield from _received(*in_flight, metas, digest)

@@ -79,6 +79,11 @@ def _in_layout(item: tuple[str, torch.Tensor], m: TensorMeta) -> torch.Tensor:
     return tensor.detach()
 
 
+def bucket_buffer(metas: list[TensorMeta], idx: list[int]) -> torch.Tensor:
+    """An uninitialised flat CPU tensor for the bucket of tensors `idx` (its dtype and total size)."""
+    return torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype))
+
+
 class WireBuffers:
     """One flat CPU tensor per bucket of a layout, kept across updates: writing into them again
     costs a copy, not fresh pages (allocating and first touching them cost more than the copy)."""
@@ -91,8 +96,7 @@ class WireBuffers:
         """The buffers for `metas`, made anew only when the layout changed (the first update, or the
         adapter's shape changed)."""
         if metas != self.metas:
-            self.flats = [torch.empty(sum(metas[i].numel for i in idx), dtype=getattr(torch, metas[idx[0]].dtype))
-                          for idx in buckets(metas)]
+            self.flats = [bucket_buffer(metas, idx) for idx in buckets(metas)]
             self.metas = list(metas)
         return self.flats
 

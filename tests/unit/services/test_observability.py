@@ -75,7 +75,6 @@ def test_trace_sampling_is_decided_where_a_trace_starts_and_followed_downstream(
     assert trace_sampler(1.0) is None  # the SDK's own variable wins
 
 
-
 class _Failing:
     def __init__(self) -> None:
         self.num_exported, self.closed = 0, False
