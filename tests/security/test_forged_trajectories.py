@@ -91,6 +91,7 @@ class Forger:
         self.cases: dict[str, str] = {}  # group id -> case name
         self.entry_ids: list[str] = []
         self.eval_forged: dict[str, int] = {}  # eval group id -> the round's version
+        self.run_id = ""  # the run's id, from the first prompt group seen
 
     def add(self, key: str, data: bytes) -> None:
         self.entry_ids.append(self.client.xadd(TRAJECTORIES, {"key": key, "data": data}).decode())
@@ -102,6 +103,7 @@ class Forger:
             if key not in self.seen:
                 self.seen.add(key)
                 fresh.append(common_pb2.PromptGroup.FromString(fields[b"data"]))
+                self.run_id = self.run_id or fresh[-1].run_id
         return fresh
 
     def forge_round(self, prompts: list[common_pb2.PromptGroup]) -> None:
@@ -143,9 +145,10 @@ def test_forged_trajectory_entries_are_dropped_with_reasons_and_the_run_learns(t
     forger = Forger(client)
     try:
         up.wait_for(lambda: client.exists(PROMPTS) and len(_train_rows(run_dir)) >= 1, 900, "the first training step")
-        forger.new_prompts()  # already issued: their answers may be back; forge only for fresh ones
-        run_id = common_pb2.PromptGroup.FromString(client.xrevrange(PROMPTS, count=1)[0][1][b"data"]).run_id
-        forger.forge_strangers(run_id)
+        # Groups issued so far may be answered already: mark them seen and forge only for fresh ones. The
+        # stream can be empty for a moment (acked prompts are deleted), so wait for one to learn the run id.
+        up.wait_for(lambda: forger.new_prompts() is not None and forger.run_id, 300, "a prompt group on the stream")
+        forger.forge_strangers(forger.run_id)
         deadline = time.monotonic() + 600
         while (len(forger.done()) < len(CASES) + 2 or not forger.eval_forged) and up.proc.poll() is None:
             assert time.monotonic() < deadline, "no fresh prompt groups to forge answers for"
