@@ -25,7 +25,7 @@ accuracy moves with the seed and with the config's SFT settings, so a fixed numb
 step 0 by one seed and be out of reach for another; --target sets an absolute one.
 
 Run: python bench/long_generation.py [--seeds 0,1,2] [--only k0,k1,k2,trl] [--gain 0.2 | --target 0.6]
-     [--work DIR] [--json OUT] [rlmesh overrides...]   (needs the bench extra: `make bench-setup`)"""
+     [--warm-start DIR] [--work DIR] [--json OUT] [rlmesh overrides...]   (needs the bench extra: `make bench-setup`)"""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     _, eval_set = load_dataset(config.data, seed)
     env = environment(config)
     work.mkdir(parents=True, exist_ok=True)
-    warm = work / "sft_model"
+    warm = args.warm_start or work / "sft_model"
     t0 = time.time()
     if not (warm / "config.json").is_file():
         print(f"seed {seed}: warm start (rlmesh sft -c {args.config} run.seed={seed})", flush=True)
@@ -153,6 +153,9 @@ def main() -> None:
                    help="stop TRL at the first checkpoint after this many seconds from its launch")
     p.add_argument("--work", type=Path, help="working directory; a seed's warm start there is reused "
                                              "(default: a new one under /tmp)")
+    p.add_argument("--warm-start", type=Path,
+                   help="one SFT model directory for every seed (the seeds then differ in RL only: sampling, "
+                        "data order); by default each seed trains its own with `rlmesh sft` under --work")
     p.add_argument("--json", help="write the results here (and each seed's so far to OUT.seedN.json)")
     p.add_argument("overrides", nargs="*", help="extra rlmesh overrides for every rlmesh side")
     args = p.parse_args()

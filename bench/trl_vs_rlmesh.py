@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DEMO = REPO / "examples" / "arithmetic_grpo.yaml"
-EVERY = 10  # checkpoint (and evaluation) interval in steps, both sides: the demo's checkpoint.every_n_steps
+EVERY = 10  # checkpoint (and evaluation) interval in steps on both sides where the config sets none
 
 if TYPE_CHECKING:
     from rlmesh.learner.data import Example
@@ -100,7 +100,8 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     raw = yaml.safe_load(config_path.read_text())
     raw["model"] = {"type": "hf", "path": str(warm)}
     raw["sft"] = {**raw.get("sft", {}), "num_steps": 0}
-    raw.setdefault("checkpoint", {}).update(every_n_steps=EVERY, keep_last=1000)
+    checkpoint = raw.setdefault("checkpoint", {})
+    checkpoint.update(every_n_steps=checkpoint.get("every_n_steps") or EVERY, keep_last=1000)
     cfg_path = work / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     run_dir = work / name
@@ -185,6 +186,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     torch.set_num_threads(os.cpu_count() or 1)
     train_set, _ = load_dataset(config.data, config.run.seed)
     b, g = config.learner.groups_per_step, config.algorithm.group_size
+    every = config.checkpoint.every_n_steps or EVERY  # the rlmesh side's checkpoint interval
     # rlmesh issues train prompts in data order, cycling (rlmesh.learner.issuer): give TRL that same sequence.
     order = [train_set.at(i) for i in range(config.learner.num_steps * b)]
     dataset = Dataset.from_list([{"prompt": ex.prompt_messages, "answer": str(ex.metadata["answer"])} for ex in order])
@@ -212,7 +214,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
         top_p=config.rollout.top_p, learning_rate=config.learner.lr, weight_decay=config.learner.weight_decay,
         max_grad_norm=config.learner.max_grad_norm, beta=0.0, num_iterations=1, loss_type="grpo",
         scale_rewards="group", epsilon=config.algorithm.clip_low, epsilon_high=config.algorithm.clip_high,
-        logging_steps=EVERY, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        logging_steps=every, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         **extra)
 
     state = {"excluded": 0.0, "train_start": None, "stopped_by_cap": False, "generation": 0.0}
@@ -226,11 +228,11 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
             t = time.time() - t_launch - state["excluded"]
             steps_file.write(json.dumps({"step": st.global_step, "t": t}) + "\n")
             steps_file.flush()
-            if st.global_step % EVERY == 0:
+            if st.global_step % every == 0:
                 t0 = time.time()
                 model.save_pretrained(str(out / f"step_{st.global_step:06d}"), safe_serialization=True)
                 state["excluded"] += time.time() - t0
-            if t > max_s and st.global_step % EVERY == 0:
+            if t > max_s and st.global_step % every == 0:
                 state["stopped_by_cap"] = True
                 control.should_training_stop = True
 
