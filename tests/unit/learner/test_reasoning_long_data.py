@@ -66,7 +66,7 @@ def test_the_config_reads_the_task_as_the_math_environment_scores_it():
     config = load_config(CONFIG)
     assert config.rollout.max_tokens == 1024 and config.algorithm.group_size == 8
     train, held_out = load_dataset(config.data, config.run.seed)
-    assert len(held_out) == 100
+    assert len(held_out) == config.data.num_eval == 50  # the first 50 of the 100 held-out problems
     for i in range(20):
         ex = train.at(i)
         assert ex.env == "math" and ex.messages[-1]["content"].endswith("Put the answer in \\boxed{}.")
