@@ -163,6 +163,9 @@ def main() -> None:
     unknown = sorted(set(args.only) - set(SIDES))
     if unknown:
         p.error(f"--only: unknown side(s) {', '.join(unknown)}; choose among {', '.join(SIDES)}")
+    if args.warm_start and not (args.warm_start / "config.json").is_file():
+        p.error(f"--warm-start {args.warm_start}: not an HF model directory (no config.json); make one with "
+                f"`rlmesh sft -c {args.config} --output DIR`, or leave the option out to train one per seed")
     work = args.work or Path(f"/tmp/rlmesh-longgen-{int(time.time())}")
     seeds = [run_seed(int(s), args, work / f"seed{s}") for s in args.seeds.split(",")]
     summary = report(seeds)

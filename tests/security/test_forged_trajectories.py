@@ -106,6 +106,12 @@ class Forger:
                 self.run_id = self.run_id or fresh[-1].run_id
         return fresh
 
+    def skip_issued(self) -> str:
+        """Mark every group issued so far as seen (its answer may be back already); the run id once a
+        prompt group has been seen ("" before: acked prompts are deleted, so the stream can be empty)."""
+        self.new_prompts()
+        return self.run_id
+
     def forge_round(self, prompts: list[common_pb2.PromptGroup]) -> None:
         train = [p for p in prompts if p.split == "train" and p.issued_at_version >= 1]
         for (case, (mutate, reason)), prompt in zip([c for c in CASES.items() if c[0] not in self.done()], train):
@@ -145,9 +151,7 @@ def test_forged_trajectory_entries_are_dropped_with_reasons_and_the_run_learns(t
     forger = Forger(client)
     try:
         up.wait_for(lambda: client.exists(PROMPTS) and len(_train_rows(run_dir)) >= 1, 900, "the first training step")
-        # Groups issued so far may be answered already: mark them seen and forge only for fresh ones. The
-        # stream can be empty for a moment (acked prompts are deleted), so wait for one to learn the run id.
-        up.wait_for(lambda: forger.new_prompts() is not None and forger.run_id, 300, "a prompt group on the stream")
+        up.wait_for(forger.skip_issued, 300, "a prompt group on the stream")  # forge only for fresh ones
         forger.forge_strangers(forger.run_id)
         deadline = time.monotonic() + 600
         while (len(forger.done()) < len(CASES) + 2 or not forger.eval_forged) and up.proc.poll() is None:
