@@ -12,7 +12,14 @@ measured: the learner's real broadcaster (gloo transport) into a real `rlmesh ro
           `settled()`: transfer done, every server replied, digest checked).
 baseline: a plain gloo broadcast of the same buckets (same layout, same bytes, two in flight, no
           digest on either side) from this process to a second plain process on the same machine
-          (the vLLM worker process cannot be reused for it, so a fresh process stands in).
+          (the vLLM worker process cannot be reused for it, so a fresh process stands in). Both sides
+          keep their buffers across rounds, as the mesh does: the sender's buckets are flattened once,
+          before any round, and the receiver lands every round in the same buffers (until 2026-11-25
+          the baseline received into fresh 64 MiB buffers each round, and page faults made it 2-3x
+          slower than the wire: every ratio measured before then is against that slower baseline).
+passes:   what each extra pass over the bytes costs alone, on one core of this machine (a copy, each
+          digest), printed beside the table: on one host the two ends share the cores, so the update
+          cannot cost less than the raw broadcast plus these passes spread over the cores.
 Rows: the tiny demo model and a locally built Qwen2 of >= 100M parameters (full weights), and a LoRA
 adapter (`--lora 100m:16`: the learner's FSDP2 + peft backend in this process, learner.lora.rank 16,
 streaming only the adapter to a rollout server serving it with vLLM's LoRA). Run:
@@ -40,15 +47,49 @@ RAW_RECEIVER = """
 import json, sys
 from rlmesh.services.weights.base import Rendezvous
 from rlmesh.services.weights.gloo import join_group, receive
-from rlmesh.services.weights.wire import TensorMeta
+from rlmesh.services.weights.wire import TensorMeta, WireBuffers
 spec = json.load(open(sys.argv[1]))
 metas = [TensorMeta(m[0], m[1], tuple(m[2])) for m in spec["metas"]]
 ticket = Rendezvous("127.0.0.1", spec["port"], spec["prefix"], bytes.fromhex(spec["secret"]))
 group = join_group(ticket, 1, 2, 300)
+buffers = WireBuffers()  # kept across rounds, like a rollout worker's
 for _ in range(spec["rounds"]):
-    for _ in receive(group, metas):
+    for _ in receive(group, metas, into=buffers):
         pass
 """
+
+ENGINE_RELOAD = """
+import glob, json, os, sys, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process, to time its reload
+from safetensors.torch import load_file
+from vllm import LLM
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+model_dir, rounds = sys.argv[1], int(sys.argv[2])
+llm = LLM(model=model_dir, max_model_len=128, enforce_eager=True, dtype="float32")
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+named = [(k, v.mul(1.001)) for f in sorted(glob.glob(model_dir + "/*.safetensors")) for k, v in load_file(f).items()]
+times = []
+for _ in range(rounds + 1):  # the first warms up
+    t0 = time.perf_counter()
+    initialize_layerwise_reload(runner.model)
+    runner.model.load_weights(iter(named))
+    finalize_layerwise_reload(runner.model, runner.model_config)
+    times.append(time.perf_counter() - t0)
+print("RELOAD_S " + json.dumps(times[1:]))
+"""
+
+
+def engine_reload(model_dir: Path, rounds: int) -> list[float]:
+    """vLLM's own layerwise reload of the model's weights from memory, in a process of its own with
+    no transfer and nothing else running: what the engine costs per update whatever the transport
+    (on CPU: each layer materialized, loaded, and its GEMM weights repacked for oneDNN)."""
+    out = subprocess.run([sys.executable, "-c", ENGINE_RELOAD, str(model_dir), str(rounds)], cwd=REPO,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RELOAD_S ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"the engine-reload baseline failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix("RELOAD_S "))
 
 
 def raw_broadcaster(named, rounds: int, tmp: Path):
@@ -67,10 +108,11 @@ def raw_broadcaster(named, rounds: int, tmp: Path):
     child = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(spec)], cwd=REPO,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
     transport.form_group(99, 2)
+    flats = list(flat_buckets(iter(named), metas))  # flattened once: the baseline moves bytes, nothing else
 
     def plain_send() -> None:
         in_flight = None
-        for flat in flat_buckets(iter(named), metas):
+        for flat in flats:
             work = transport.group.broadcast(flat, 0)
             if in_flight is not None:
                 in_flight.wait()
@@ -136,6 +178,32 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
                     out[label].append({**metrics, "send_s": send_s, "update_s": update_s})
         raw_close()
         return raw, out
+
+
+def pass_costs(nbytes: int, digests: list[str], repeats: int = 3) -> dict[str, float]:
+    """Seconds one more pass over `nbytes` costs: a copy on one thread (what the snapshot and the
+    receiver's load into the model each do) and each digest as the transport takes it (one per
+    side; BLAKE3 on every core, the others on one). Best of `repeats`."""
+    import torch
+
+    from rlmesh.services.weights.wire import new_digest
+
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for name, work in [("copy", lambda: dst.copy_(src))] + [
+                (a, lambda a=a: new_digest(a).update(src.view(torch.uint8).numpy())) for a in digests]:
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                work()
+                best = min(best, time.perf_counter() - t0)
+            out[name] = best
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 def median(xs: list[float]) -> float:
@@ -226,7 +294,8 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, WeightSource.of(named), args.rounds, tmp,
                                                     digests, snapshots=snapshots))
-        facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes}
+        facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes,
+                 "pass_s": pass_costs(nbytes, digests), "engine_reload_s": median(engine_reload(model_dir, args.rounds))}
         results.update({f"{size}/{a}": row for a, row in summarize(raw, by_digest, **facts).items()})
         del model, named
     for spec in filter(None, args.lora.split(",")):
@@ -241,6 +310,13 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name}: median phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in r["phases_s"].items())
               + f"; raw rounds {[round(x, 4) for x in r['raw_all_s']]}, updates {[round(x, 4) for x in r['update_all_s']]}")
+        if "engine_reload_s" in r:
+            floor = r["raw_s"] + r["engine_reload_s"]
+            print(f"{name}: vLLM's own reload of these weights from memory {r['engine_reload_s']:.4f} s (median, "
+                  f"alone); raw broadcast + that reload {floor:.4f} s; update / (raw + reload) {r['update_s'] / floor:.2f}")
+        if "pass_s" in r:
+            print(f"{name}: one more pass over its {r['mib']:.0f} MiB (s; copy on one thread, BLAKE3 on every core): "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in r["pass_s"].items()))
         if "model_bytes" in r:
             print(f"{name}: adapter {r['bytes']:,d} bytes = {100 * r['adapter_fraction']:.2f}% of the base model's "
                   f"{r['model_bytes']:,d}; {r['tensors']} tensors, gathered out of FSDP2 in {r['stream_s']:.3f} s")
