@@ -14,12 +14,16 @@ baseline: a plain gloo broadcast of the same buckets (same layout, same bytes, t
           digest on either side) from this process to a second plain process on the same machine
           (the vLLM worker process cannot be reused for it, so a fresh process stands in). Both sides
           keep their buffers across rounds, as the mesh does: the sender's buckets are flattened once,
-          before any round, and the receiver lands every round in the same buffers (until 2026-11-25
-          the baseline received into fresh 64 MiB buffers each round, and page faults made it 2-3x
-          slower than the wire: every ratio measured before then is against that slower baseline).
-passes:   what each extra pass over the bytes costs alone, on one core of this machine (a copy, each
-          digest), printed beside the table: on one host the two ends share the cores, so the update
-          cannot cost less than the raw broadcast plus these passes spread over the cores.
+          before any round, and the receiver lands every round in the same buffers (until
+          2026-11-24 23:30 UTC the baseline received into fresh 64 MiB buffers each round, and page
+          faults made it 2-4x slower than the wire: every ratio measured before then is against that
+          slower baseline).
+engine:   vLLM's own layerwise reload of the same weights from memory, in a process of its own with
+          nothing else running: what the engine costs per update whatever the transport.
+passes:   what each extra pass over the bytes costs alone on this machine (a copy on one thread,
+          each digest as the transport takes it), printed beside the table: on one host the two
+          ends share the cores, so the update cannot cost less than the raw broadcast plus these
+          passes spread over the cores.
 Rows: the tiny demo model and a locally built Qwen2 of >= 100M parameters (full weights), and a LoRA
 adapter (`--lora 100m:16`: the learner's FSDP2 + peft backend in this process, learner.lora.rank 16,
 streaming only the adapter to a rollout server serving it with vLLM's LoRA). Run:
