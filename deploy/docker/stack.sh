@@ -91,9 +91,18 @@ images() {
       ".[train,cpu,envs]" "setuptools>=69" wheel "async-timeout>=4.0.3" >"$log" 2>&1; then
     cat "$log" >&2; say "pip download failed (log above, also in $log)"; exit 1
   fi
-  say "building ${RLMESH_IMAGE:-rlmesh:cpu} (offline: base $BASE_IMAGE, wheels from the wheelhouse)"
+  local image=${RLMESH_IMAGE:-rlmesh:cpu} before after
+  before=$($DOCKER image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)
+  say "building $image (offline: base $BASE_IMAGE, wheels from the wheelhouse)"
   DOCKER_BUILDKIT=0 $DOCKER build -q -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
-    --build-arg OFFLINE=1 -t "${RLMESH_IMAGE:-rlmesh:cpu}" . >&2
+    --build-arg OFFLINE=1 -t "$image" . >&2
+  # A rebuild moves the tag and leaves the previous image behind untagged (~4.5 GB: its copy of the
+  # virtualenv is a layer of its own), so rebuilding after each change filled the disk. Remove it;
+  # the build stage's cached layers stay. An image a container still uses is kept (rmi refuses).
+  after=$($DOCKER image inspect -f '{{.Id}}' "$image")
+  if [ -n "$before" ] && [ "$before" != "$after" ] && $DOCKER rmi "$before" >/dev/null 2>&1; then
+    say "removed the previous $image (${before:7:12})"
+  fi
 }
 
 compose() {
