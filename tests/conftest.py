@@ -1,12 +1,17 @@
-"""Shared fixtures: a real embedded Valkey server and a tiny local model, each built once."""
+"""Shared fixtures: a real embedded Valkey server and a tiny local model, each built once; and the
+process reaper (tests/processes.py): whatever a test started is stopped after it, and the session
+fails if anything a test started is still running at its end."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,6 +40,47 @@ def rlmesh_cmd(*args: str) -> list[str]:
 @pytest.fixture
 def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+_SESSION_START = time.time()
+_REAPED: list[tuple[str, list[str]]] = []
+
+
+def pytest_configure(config):
+    os.environ[processes.SESSION_ENV] = processes.new_id()
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_the_test_started(request):
+    """Every process launched during the test inherits its owner id; all of them are stopped after
+    it, whether it passed, failed or timed out (pytest-timeout's signal method unwinds to here)."""
+    owner = processes.new_id()
+    os.environ[processes.OWNER_ENV] = owner
+    yield
+    del os.environ[processes.OWNER_ENV]
+    reaped = processes.reap(processes.OWNER_ENV, owner, _SESSION_START)
+    if reaped:
+        _REAPED.append((request.node.nodeid, reaped))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the session if any process a test started (session fixtures included, which are torn
+    down by now) is still running; stops them."""
+    left = processes.still_running(processes.SESSION_ENV, os.environ[processes.SESSION_ENV], _SESSION_START)
+    if left:
+        processes.reap(processes.SESSION_ENV, os.environ[processes.SESSION_ENV], _SESSION_START)
+        session.config._rlmesh_leaked = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for nodeid, reaped in _REAPED:
+        terminalreporter.write_line(f"reaped after {nodeid}: {len(reaped)} process(es) it left running: "
+                                    + "; ".join(reaped[:5]))
+    leaked = getattr(config, "_rlmesh_leaked", [])
+    if leaked:
+        terminalreporter.write_line(f"FAILED: {len(leaked)} process(es) started by tests still ran at the end "
+                                    "of the session (stopped now): " + "; ".join(leaked[:10]), red=True)
 
 
 def pytest_addoption(parser):

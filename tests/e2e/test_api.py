@@ -29,10 +29,11 @@ class Script(Up):
         self.seen = {}
 
 
+@pytest.mark.timeout(450)
 def test_example_script_trains_the_demo_with_its_own_reward_function(tmp_path):
     script = Script(tmp_path / "out.txt", str(REPO / "examples" / "train_api.py"), "learner.num_steps=20",
                     "learner.eval_every=0", "logging.progress=false", f"run.output_dir={tmp_path / 'runs'}")
-    assert script.finish(timeout=900) == 0, script.output()[-4000:]
+    assert script.finish(timeout=400) == 0, script.output()[-4000:]
     assert len(script.seen) >= 4, "sft, reward, learner, rollout (+ vLLM engine) are children"
     assert not script.leftovers(), f"processes outlived rlmesh.train: {script.leftovers()}"
     before, after = map(float, re.findall(r"^held-out accuracy: ([\d.]+) -> ([\d.]+)$", script.output(), re.M)[-1])
@@ -45,12 +46,13 @@ def test_example_script_trains_the_demo_with_its_own_reward_function(tmp_path):
     assert "reward_fn" in (run_dir / "logs" / "reward.log").read_text()
 
 
+@pytest.mark.timeout(300)
 def test_a_callback_stops_the_run_cleanly_at_its_step(tmp_path):
     stop_at = 5
     script = Script(tmp_path / "out.txt", str(REPO / "tests" / "e2e" / "api_stop_run.py"), str(stop_at),
                     "sft.num_steps=0", "learner.num_steps=40", "learner.eval_every=0", "checkpoint.every_n_steps=0",
                     "logging.progress=false", f"run.output_dir={tmp_path / 'runs'}")
-    assert script.finish(timeout=900) == 0, script.output()[-4000:]
+    assert script.finish(timeout=250) == 0, script.output()[-4000:]
     assert not script.leftovers(), f"processes outlived rlmesh.train: {script.leftovers()}"
     result = json.loads(script.output().strip().splitlines()[-1])
     run_dir, n = Path(result["run_dir"]), result["num_steps"]

@@ -28,20 +28,22 @@ def _learner_rank(up: Up, rank: int) -> psutil.Process | None:
     return None
 
 
+@pytest.mark.timeout(900)
 def test_killed_learner_rank_is_restarted_and_the_run_completes_exactly_once(tmp_path, valkey_url):
     from rlmesh.learner.metrics import surviving_lineage
 
     run_dir = tmp_path / "run"
     streams = f"k{time.monotonic_ns()}"
-    num_steps, per_step = 24, 32
-    up = Up(run_dir, "learner.num_ranks=2", f"learner.num_steps={num_steps}", "learner.eval_every=0",
+    num_steps, per_step = 14, 16
+    up = Up(run_dir, "learner.num_ranks=2", f"learner.num_steps={num_steps}", f"learner.groups_per_step={per_step}",
+            "learner.eval_every=0",
             "checkpoint.every_n_steps=4", "checkpoint.keep_last=20", "sft.num_steps=100", f"queue.url={valkey_url}",
             f"queue.prompt_stream={streams}:p", f"queue.trajectory_stream={streams}:t")
-    up.wait_for(lambda: (run_dir / "checkpoints" / "step_000008").is_dir(), 900, "checkpoint 8")
+    up.wait_for(lambda: (run_dir / "checkpoints" / "step_000008").is_dir(), 500, "checkpoint 8")
     victim = _learner_rank(up, 1)
     assert victim is not None, "learner rank 1 not found among rlmesh up's processes"
     victim.send_signal(signal.SIGKILL)
-    assert up.finish(timeout=900) == 0, up.output()[-4000:]
+    assert up.finish(timeout=500) == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
 
     log = (run_dir / "logs" / "learner.log").read_text()

@@ -15,10 +15,11 @@ from tests.integration.test_mcp_stdio import calculator_command  # noqa: F401  (
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.timeout(400)
 def test_parquet_prompts_and_a_stdio_mcp_server_train_end_to_end(tmp_path, calculator_command):  # noqa: F811
     run_dir = tmp_path / "run"
     up = Up(run_dir, f"reward.mcp.calc.command={json.dumps(calculator_command)}", config="examples/hf_mcp_stdio.yaml")
-    code = up.finish(timeout=900)
+    code = up.finish(timeout=350)
     assert code == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
 

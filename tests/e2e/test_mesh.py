@@ -84,10 +84,11 @@ class Up:
             time.sleep(0.25)
 
 
+@pytest.mark.timeout(600)
 def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
     run_dir = tmp_path / "run"
     up = Up(run_dir, "learner.num_steps=40", "learner.eval_every=10", "algorithm.max_staleness=1")
-    code = up.finish(timeout=900)
+    code = up.finish(timeout=550)
     assert code == 0, up.output()[-4000:]
     assert len(up.seen) >= 4, "valkey is in-process; sft, reward, learner, rollout (+ vLLM engine) are children"
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
@@ -132,6 +133,7 @@ def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
     assert "held-out accuracy: before" in up.output()
 
 
+@pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process(tmp_path):
     up = Up(tmp_path / "run", "sft.num_steps=0")
     up.wait_for(lambda: "rollout servers loading vLLM" in up.output(), 300, "services to start")
@@ -143,37 +145,33 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert not up.leftovers(), f"processes outlived Ctrl-C: {up.leftovers()}"
 
 
-def test_two_rollout_servers_share_the_work_and_the_broadcast(tmp_path):
+@pytest.mark.timeout(600)
+def test_two_on_policy_rollout_servers_share_the_work_and_the_broadcast(tmp_path):
+    """Two rollout servers at max_staleness=0: both generate trained groups and get every broadcast,
+    neither claims the other's live work, and every sample comes from the learner's current weights,
+    so vLLM's behaviour logprobs equal the learner's recomputed ones up to float error."""
     run_dir = tmp_path / "run"
     # A claim timeout far shorter than a generation round: live servers must keep their claims fresh.
-    up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=12",
-            "learner.eval_every=0", "sft.num_steps=50", "queue.claim_idle_ms=1500", "rollout.max_tokens=24")
-    assert up.finish(timeout=900) == 0, up.output()[-4000:]
+    up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=10",
+            "learner.eval_every=0", "sft.num_steps=50", "queue.claim_idle_ms=1500", "rollout.max_tokens=24",
+            "algorithm.max_staleness=0")
+    assert up.finish(timeout=500) == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in train if r["kind"] == "train"]
+    assert [r["version"] for r in train] == list(range(1, 11))
     assert all(r["num_generators"] == 2 for r in train), "every broadcast reached both servers"
     producers = {gid for r in train for gid in r["groups_by_generator"]}
     assert producers == {"rollout-0", "rollout-1"}, f"both servers generated trained groups: {producers}"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["weights_verified_versions"] >= 12 and summary["max_staleness_seen"] <= 1
+    assert summary["weights_verified_versions"] >= 10 and summary["max_staleness_seen"] == 0
     for i in (0, 1):
         log = (run_dir / "logs" / f"rollout-{i}.log").read_text()
         assert "left pending by a dead rollout server" not in log, f"rollout-{i} claimed a live server's work"
         assert "already published" not in log, f"rollout-{i} generated a group twice"
     assert summary["num_duplicates"] == 0
     assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
-
-
-def test_synchronous_mode_is_on_policy_and_logprobs_match(tmp_path):
-    """max_staleness=0: every sample comes from the learner's current weights, so vLLM's
-    behaviour logprobs equal the learner's recomputed ones up to float error."""
-    run_dir = tmp_path / "run"
-    up = Up(run_dir, "algorithm.max_staleness=0", "learner.num_steps=6", "learner.eval_every=0", "sft.num_steps=50")
-    assert up.finish(timeout=900) == 0, up.output()[-4000:]
-    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in train if r["kind"] == "train"]
-    assert len(train) == 6
+    # Synchronous: on-policy samples, so no importance ratio was truncated.
     assert all(r["staleness_max"] == 0 for r in train)
     assert max(r["mismatch_abs_logprob"] for r in train) < 1e-4, [r["mismatch_abs_logprob"] for r in train]
     assert max(r["tis_truncated_frac"] for r in train) == 0.0

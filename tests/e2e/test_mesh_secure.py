@@ -1,21 +1,143 @@
-"""The whole mesh through `rlmesh up` under mutual TLS (`rlmesh tls-init` certificates): every
-channel (rollout -> learner, learner -> rollout weight RPCs, rollout -> reward) passes its tier's
-policy, the run trains and verifies every broadcast, and neither the run's token nor the embedded
-queue's password (read from a running service's environment) is in any file of the run directory."""
+"""The whole mesh through `rlmesh up` under mutual TLS (`rlmesh tls-init` certificates), with the
+arithmetic environment in an environment server of its own, so that every channel the README lists
+carries the run's traffic: rollout -> learner, learner -> rollout weight RPCs, rollout -> reward and
+reward -> remote environment. While the run is live, strangers holding the run's token probe every
+listener: a plaintext client, a TLS client without a certificate and one whose certificate comes from
+another CA are refused at the handshake, and a certificate of the wrong tier gets PERMISSION_DENIED
+where the README restricts tiers, while a client with the right certificate is served before and
+after. The run trains, verifies every broadcast, logs no refusal of its own traffic, and neither
+the run's token nor the embedded queue's password (read from a running service's environment) is in
+any file of the run directory."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
+import yaml
+from google.protobuf import message as pb_message
 
-pytestmark = [pytest.mark.e2e, pytest.mark.security]
+from rlmesh.services.tls_certs import make_certificates
+from rlmesh.v1 import learner_pb2, learner_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+
+# About 3x a run's time on 2 busy CPU cores (~2 minutes, most of it vLLM's start-up and SFT).
+TIMEOUT_S = 360
+pytestmark = [pytest.mark.e2e, pytest.mark.security, pytest.mark.timeout(TIMEOUT_S)]
 REPO = Path(__file__).resolve().parents[2]
+SECRETS = ("RLMESH_TOKEN", "RLMESH_QUEUE_PASSWORD")
+OK, REFUSED, DENIED = "OK", "UNAVAILABLE", "PERMISSION_DENIED"  # refused: the TLS handshake fails
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A server of the run, an RPC any authenticated tier may call (`ok_*`, called with a `client`
+    certificate) and, where the README restricts tiers, one that `denied_tiers` may not call."""
+
+    address: str
+    tier: str
+    stub: type
+    ok_method: str
+    ok_request: pb_message.Message
+    client: str
+    denied_method: str = ""
+    denied_request: pb_message.Message | None = None
+    denied_tiers: tuple[str, ...] = ()
+
+
+def _listeners(run_dir: Path) -> dict[str, Listener]:
+    """Every server of the run, at the ports `rlmesh up` resolved at launch (rollout servers bind port
+    0 and log the one they got)."""
+    resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
+    env_address = resolved["reward"]["remote"]["arithmetic"]
+    listeners = {
+        # Only rollout servers may register with (or leave) the learner.
+        "learner": Listener(resolved["network"]["learner_address"], "learner", learner_pb2_grpc.LearnerServiceStub,
+                            "GetStatus", learner_pb2.LearnerStatusRequest(), "rollout", "Deregister",
+                            learner_pb2.DeregisterRequest(generator_id="stranger"), ("learner", "reward")),
+        "reward": Listener(resolved["network"]["reward_address"], "reward", reward_pb2_grpc.RewardServiceStub,
+                           "ListEnvironments", reward_pb2.ListEnvironmentsRequest(), "rollout"),
+        # An environment server is a reward server; the main reward server dials it with its reward certificate.
+        "env-arithmetic": Listener(env_address, "reward", reward_pb2_grpc.RewardServiceStub, "ListEnvironments",
+                                   reward_pb2.ListEnvironmentsRequest(), "reward"),
+    }
+    host = resolved["network"]["host"]
+    for name, port in _rollout_ports(run_dir).items():
+        # Only the learner may move a rollout server's weights or pause and resume it.
+        listeners[name] = Listener(f"{host}:{port}", "rollout", rollout_pb2_grpc.RolloutServiceStub, "GetStatus",
+                                   rollout_pb2.RolloutStatusRequest(), "learner", "ResumeGeneration",
+                                   rollout_pb2.ResumeGenerationRequest(), ("rollout", "reward"))
+    return listeners
+
+
+def _credentials(certs: Path, ca: Path, tier: str | None) -> grpc.ChannelCredentials:
+    """Verifies the server against `ca`; presents `certs`' certificate for `tier` (None: none)."""
+    return grpc.ssl_channel_credentials(ca.read_bytes(), (certs / f"{tier}.key").read_bytes() if tier else None,
+                                        (certs / f"{tier}.crt").read_bytes() if tier else None)
+
+
+def _call(listener: Listener, method: str, request: pb_message.Message, token: str,
+          credentials: grpc.ChannelCredentials | None):
+    """(status code name, reply or error details) of one call; plaintext when `credentials` is None."""
+    if credentials is None:
+        channel = grpc.insecure_channel(listener.address)
+    else:  # the name the server's certificate must carry is its tier, as the mesh's own clients check
+        channel = grpc.secure_channel(listener.address, credentials,
+                                      options=[("grpc.ssl_target_name_override", listener.tier)])
+    with channel:
+        try:
+            reply = getattr(listener.stub(channel), method)(request, timeout=10,
+                                                            metadata=[("authorization", f"Bearer {token}")])
+        except grpc.RpcError as err:
+            return err.code().name, err.details()
+    return OK, reply
+
+
+def _probe(listeners: dict[str, Listener], token: str, good: Path, foreign: Path) -> dict[tuple[str, str], str]:
+    """Every stranger against every listener, each bracketed by a call the right client gets answered."""
+    ca = good / "ca.crt"
+    results = {}
+    for name, lis in listeners.items():
+        ok = (lis.ok_method, lis.ok_request, token)
+        results[name, "right certificate"] = _call(lis, *ok, _credentials(good, ca, lis.client))[0]
+        results[name, "plaintext"] = _call(lis, *ok, None)[0]
+        results[name, "no client certificate"] = _call(lis, *ok, _credentials(good, ca, None))[0]
+        # Names the right tier, signed by a CA the mesh does not trust (the client trusts the mesh's).
+        results[name, "another CA's certificate"] = _call(lis, *ok, _credentials(foreign, ca, lis.client))[0]
+        for tier in lis.denied_tiers:
+            results[name, f"{tier} certificate on {lis.denied_method}"] = _call(
+                lis, lis.denied_method, lis.denied_request, token, _credentials(good, ca, tier))[0]
+        # Still serving: the refusals above were not a server that had gone away.
+        results[name, "right certificate, after"] = _call(lis, *ok, _credentials(good, ca, lis.client))[0]
+    return results
+
+
+def _expected(listeners: dict[str, Listener]) -> dict[tuple[str, str], str]:
+    expected = {}
+    for name, lis in listeners.items():
+        expected |= {(name, "right certificate"): OK, (name, "plaintext"): REFUSED,
+                     (name, "no client certificate"): REFUSED, (name, "another CA's certificate"): REFUSED}
+        expected |= {(name, f"{tier} certificate on {lis.denied_method}"): DENIED for tier in lis.denied_tiers}
+        expected[name, "right certificate, after"] = OK
+    return expected
+
+
+def _rollout_ports(run_dir: Path) -> dict[str, int]:
+    """Rollout servers bind port 0 and log the port they got: {log name: port} of those serving."""
+    ports = {}
+    for log in sorted((run_dir / "logs").glob("rollout-*.log")):
+        found = re.search(r"rollout server \S+ on port (\d+)", log.read_text(errors="replace"))
+        if found:
+            ports[log.stem] = int(found.group(1))
+    return ports
 
 
 def _service_environ(root: int, name: str) -> dict[str, str]:
@@ -28,34 +150,118 @@ def _service_environ(root: int, name: str) -> dict[str, str]:
     return {}
 
 
-def test_a_run_under_mutual_tls_trains_and_leaves_no_secret_in_the_run_directory(tmp_path):
-    certs, run_dir = tmp_path / "certs", tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "tls-init", "--output", str(certs)], check=True,
+def _logs(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run_dir / "logs").glob("*.log"))}
+
+
+def _refusals(text: bytes) -> list[str]:
+    return [line for line in text.decode(errors="replace").splitlines()
+            if "PERMISSION_DENIED" in line or "UNAUTHENTICATED" in line]
+
+
+def _own_refusals(before: dict[str, bytes], during: dict[str, bytes], after: dict[str, bytes],
+                  probe_methods: set[str]) -> dict[str, list[str]]:
+    """Refusal lines of the mesh's own traffic: every one logged outside the probes' window, and those
+    inside it that name no method a probe was refused."""
+    found = {}
+    for name, text in after.items():
+        start, end = len(before.get(name, b"")), len(during.get(name, b""))
+        window = [line for line in _refusals(text[start:end]) if not any(m in line for m in probe_methods)]
+        lines = _refusals(text[:start]) + window + _refusals(text[end:])
+        if lines:
+            found[name] = lines
+    return found
+
+
+class _Tree:
+    """`rlmesh up` and every process seen under it (each service runs in a session of its own)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.seen = proc, {}
+
+    def poll(self) -> None:
+        if self.proc.poll() is None:  # not reaped: the pid is still ours
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(child.pid, child)
+
+    def kill(self) -> None:
+        self.poll()
+        procs = list(self.seen.values())
+        if self.proc.poll() is None:
+            procs.append(psutil.Process(self.proc.pid))
+        for p in procs:
+            try:
+                p.kill()  # psutil refuses a pid that now names another process
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=30)
+        self.proc.wait(timeout=30)
+
+
+def test_every_channel_of_a_run_is_mutual_tls_and_strangers_are_refused(tmp_path):
+    good, foreign, run_dir = tmp_path / "certs", tmp_path / "foreign", tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "tls-init", "--output", str(good)], check=True,
                    cwd=REPO, capture_output=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RLMESH_TOKEN", "RLMESH_QUEUE_PASSWORD")}
-    out = (tmp_path / "up.out").open("wb")
+    make_certificates(foreign)
+    mesh_client = _credentials(good, good / "ca.crt", "rollout")
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    out_path = tmp_path / "up.out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", "examples/arithmetic_grpo.yaml",
          "--run-dir", str(run_dir), "logging.progress=false", "learner.num_steps=3", "sft.num_steps=30",
-         "data.num_eval=8", "learner.groups_per_step=4", f"network.tls.cert_file={certs}/{{tier}}.crt",
-         f"network.tls.key_file={certs}/{{tier}}.key", f"network.tls.ca_file={certs}/ca.crt"],
-        stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    secrets: dict[str, str] = {}
-    deadline = time.monotonic() + 900
-    while proc.poll() is None and time.monotonic() < deadline:
-        if not secrets:
-            secrets = {k: v for k, v in _service_environ(proc.pid, " learner ").items()
-                       if k in ("RLMESH_TOKEN", "RLMESH_QUEUE_PASSWORD")}
-        time.sleep(0.5)
-    if proc.poll() is None:
-        proc.kill()
-    output = (tmp_path / "up.out").read_text(errors="replace")
-    assert proc.wait(timeout=30) == 0, output[-4000:]
+         "data.num_eval=8", "learner.groups_per_step=4", "reward.env_processes=[arithmetic]",
+         f"network.tls.cert_file={good}/{{tier}}.crt", f"network.tls.key_file={good}/{{tier}}.key",
+         f"network.tls.ca_file={good}/ca.crt"],
+        stdout=out_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    tree = _Tree(proc)
+
+    def output() -> str:
+        return out_path.read_text(errors="replace")
+
+    deadline = time.monotonic() + TIMEOUT_S - 60
+    try:
+        while not ("reward and learner serving" in output() and _rollout_ports(run_dir)):
+            tree.poll()
+            assert proc.poll() is None, f"rlmesh up exited before every server was up:\n{output()[-4000:]}"
+            assert time.monotonic() < deadline, f"not every server was up in time:\n{output()[-4000:]}"
+            time.sleep(0.5)
+        tree.poll()
+        secrets = {k: v for k, v in _service_environ(proc.pid, " learner ").items() if k in SECRETS}
+        assert set(secrets) == set(SECRETS), "the services got both secrets"
+        token = secrets["RLMESH_TOKEN"]
+        listeners = _listeners(run_dir)
+        # The servers do not log the calls they refuse (a handshake failure only at INFO, without a
+        # status code); should they, the probes' window is told apart from the mesh's own traffic.
+        before = _logs(run_dir)
+        results = _probe(listeners, token, good, foreign)
+        # The reward server reaches its remote environment over mutual TLS: a Score of an arithmetic
+        # item comes back scored by the environment server, the only one serving arithmetic.
+        reward = listeners["reward"]
+        environments = _call(reward, "ListEnvironments", reward_pb2.ListEnvironmentsRequest(), token, mesh_client)
+        item = reward_pb2.ScoreItem(id="probe", env_name="arithmetic", completion="7")
+        item.env_metadata.update({"answer": "7"})
+        scored = _call(reward, "Score", reward_pb2.ScoreRequest(items=[item]), token, mesh_client)
+        during = _logs(run_dir)
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        tree.kill()
+
+    expected = _expected(listeners)
+    wrong = {probe: (results.get(probe), want) for probe, want in expected.items() if results.get(probe) != want}
+    assert not wrong, f"(listener, client): (got, expected): {wrong}"
+    assert environments[0] == OK, environments
+    remote = {e.name: e.remote_address for e in environments[1].environments}
+    assert remote["arithmetic"] == listeners["env-arithmetic"].address
+    assert scored[0] == OK and [(r.error, r.reward) for r in scored[1].results] == [("", 1.0)], scored
+
+    assert code == 0, output()[-4000:]
     # 4: the SFT weights (version 0, sent to rollout servers that started on the pre-SFT model) and 3 steps
-    assert "4 broadcasts verified by digest; rollout weights == learner weights" in output
-    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
-    assert "PERMISSION_DENIED" not in logs and "UNAUTHENTICATED" not in logs
-    assert set(secrets) == {"RLMESH_TOKEN", "RLMESH_QUEUE_PASSWORD"}, "the services got both secrets"
+    assert "4 broadcasts verified by digest; rollout weights == learner weights" in output()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["num_failed_samples"] for r in rows if r["kind"] == "train") == 0, "every sample was scored"
+    probe_methods = {lis.denied_method for lis in listeners.values() if lis.denied_method}
+    assert _own_refusals(before, during, _logs(run_dir), probe_methods) == {}
+
     for name, secret in secrets.items():
         holding = [str(p) for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
         assert holding == [], f"{name} written to {holding}"

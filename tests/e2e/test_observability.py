@@ -111,6 +111,7 @@ def _query(port: int, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus package")
 def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monkeypatch):
     receiver = Receiver()
@@ -118,7 +119,7 @@ def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monke
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.server_port}")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
     run_dir = tmp_path / "run"
-    up = Up(run_dir, "learner.num_steps=20", "learner.eval_every=0", "sft.num_steps=20", "checkpoint.every_n_steps=0",
+    up = Up(run_dir, "learner.num_steps=10", "learner.eval_every=0", "sft.num_steps=20", "checkpoint.every_n_steps=0",
             "logging.metrics_port=0", "logging.format=json", "logging.trace_file=true",
             "logging.trackers=[jsonl,tensorboard]")
     try:
@@ -197,4 +198,4 @@ def test_a_prompt_groups_spans_metrics_and_logs_across_the_tiers(tmp_path, monke
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
-    assert [e.step for e in events.Scalars("train/reward_mean")] == list(range(1, 21))
+    assert [e.step for e in events.Scalars("train/reward_mean")] == list(range(1, 11))

@@ -1,9 +1,9 @@
-"""`rlmesh up` as a supervisor: a crashed service is restarted and the run completes; one that runs
-out of restarts stops the mesh, named; bad input at start-up fails fast with its own error."""
+"""`rlmesh up` as a supervisor: a service that runs out of restarts stops the mesh, named; bad input
+at start-up fails fast with its own error. (A crashed service restarted and the run completing is
+checked by tests/faults/test_faults.py, where the reward, rollout and learner services are killed.)"""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -15,21 +15,7 @@ from tests.e2e.test_mesh import REPO, Up, _cmdline
 pytestmark = pytest.mark.e2e
 
 
-def test_a_crashed_service_is_restarted_and_the_run_completes(tmp_path):
-    run_dir = tmp_path / "run"
-    up = Up(run_dir, "sft.num_steps=50", "learner.num_steps=12", "learner.eval_every=0")
-    up.wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and '"train"' in (run_dir / "metrics.jsonl").read_text(),
-                600, "the first training step")
-    up.poll_children()
-    reward = [p for p in up.seen.values() if " reward " in f" {_cmdline(p)} "]
-    assert reward, "reward server process not found"
-    reward[0].kill()
-    assert up.finish(timeout=600) == 0, up.output()[-4000:]
-    assert "service 'reward' exited with code -9; restarting" in up.output()
-    assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
-    assert json.loads((run_dir / "summary.json").read_text())["num_steps"] == 12
-
-
+@pytest.mark.timeout(300)
 def test_a_service_out_of_restarts_stops_the_mesh_and_is_named(tmp_path):
     up = Up(tmp_path / "run", "sft.num_steps=0", "run.max_restarts=0")
     up.wait_for(lambda: "rollout servers loading vLLM" in up.output(), 300, "services to start")

@@ -87,7 +87,6 @@ def test_compose_and_k8s_run_the_same_image_config_and_commands():
         assert k8s_config[section] == compose_config[section], f"{section} differs between compose and k8s"
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs the kubectl client")
 def test_compose_observability_profile_scrapes_every_tier_and_is_hardened():
     """Prometheus comes up only with `--profile observability`, hardened like the other services, on the
     host's loopback only, with deploy's scrape config finding every tier that serves /metrics there."""
@@ -108,28 +107,26 @@ def test_compose_observability_profile_scrapes_every_tier_and_is_hardened():
     assert set(dns["names"]) == served and dns["port"] == port
 
 
-def test_k8s_manifests_render_with_kustomize():
+@pytest.fixture(scope="module")
+def rendered() -> list[dict]:
+    """deploy/k8s as `kubectl apply -k` would apply it."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not on PATH: `kubectl kustomize deploy/k8s` renders the manifests these "
+                    "tests check (Debian: apt-get install kubernetes-client)")
     out = subprocess.run(["kubectl", "kustomize", str(REPO / "deploy/k8s")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    rendered = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout) if d}
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_k8s_manifests_render_with_kustomize(rendered):
     files = {(d["kind"], d["metadata"]["name"]) for d in _k8s_docs() if d["kind"] != "Kustomization"}
-    assert rendered == files
-    images = {c["image"] for d in yaml.safe_load_all(out.stdout) if d for c in _containers(d)}
-    assert images == {"rlmesh:cpu", "valkey/valkey:8"}
+    assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == files
+    assert {c["image"] for d in rendered for c in _containers(d)} == {"rlmesh:cpu", "valkey/valkey:8"}
 
 
 # --- security: pod hardening and network policies, as rendered by kustomize --------------------
 
 APPS = ("rlmesh-learner", "rlmesh-rollout", "rlmesh-reward", "rlmesh-valkey")
-
-
-@pytest.fixture(scope="module")
-def rendered() -> list[dict]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("needs the kubectl client")
-    out = subprocess.run(["kubectl", "kustomize", str(REPO / "deploy/k8s")], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def _pod_specs(docs: list[dict]) -> dict[str, dict]:

@@ -1,0 +1,78 @@
+"""Every process a test starts is stopped, whatever the test's outcome.
+
+Each test runs with `RLMESH_TEST_OWNER=<id>` in the environment, and the whole session with
+`RLMESH_TEST_SESSION=<id>`. Both are inherited by everything a test launches — `rlmesh up`, the
+services it starts in process sessions of their own, vLLM's engine processes, torchrun's ranks —
+so a process can be found by its environment even after its parent died or it was re-parented.
+After each test the processes carrying its owner id are signalled (SIGTERM, then SIGKILL); at the
+end of the session any process still carrying the session id fails the run."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import psutil
+
+OWNER_ENV = "RLMESH_TEST_OWNER"
+SESSION_ENV = "RLMESH_TEST_SESSION"
+# Machine-wide daemons a test may start once and leave for the next run (the Docker engine that
+# `deploy/docker/stack.sh engine` starts when none is running): not a test's processes.
+DAEMONS = frozenset({"dockerd", "containerd"})
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _carrying(key: str, value: str, since: float) -> list[psutil.Process]:
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter(["pid", "create_time", "name"]):
+        info = proc.info
+        if info["pid"] == me or (info["create_time"] or 0) < since or info["name"] in DAEMONS:
+            continue
+        try:
+            if proc.environ().get(key) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:160]}"
+    except psutil.Error:
+        return f"{proc.pid} (exited)"
+
+
+def reap(key: str, value: str, since: float, grace_s: float = 5.0) -> list[str]:
+    """Stop every live process whose environment has `key=value` (SIGTERM, then SIGKILL after
+    `grace_s`); returns what was found running, described."""
+    procs = _carrying(key, value, since)
+    if not procs:
+        return []
+    found = [describe(p) for p in procs]
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5.0)
+    return found
+
+
+def still_running(key: str, value: str, since: float) -> list[str]:
+    """Live processes carrying `key=value`, after giving ones caught mid-exit a moment."""
+    deadline = time.monotonic() + 3.0
+    while (procs := _carrying(key, value, since)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return [describe(p) for p in procs]
