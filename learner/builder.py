@@ -89,7 +89,8 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     dropped_log = MetricsWriter(run_dir, "dropped_groups.jsonl")
     admission = Admission(trajectories, dropped_log, max_staleness=cfg.algorithm.max_staleness,
                           drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
-                          on_returned=issuer.returned, issued=issuer.issued, bounds=bounds(cfg, model_path))
+                          on_returned=issuer.returned, issued=issuer.issued, bounds=bounds(cfg, model_path),
+                          issued_before_restart=issuer.issued_before_restart)
     reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
                               membership=membership, broadcaster=broadcaster, weights=weights, metrics=metrics)
     evaluator = Evaluator(eval_set, issuer, trajectories, reader, metrics, check=admission.check,

@@ -161,7 +161,8 @@ class Controller:
                  "first_eval": self.evaluator.first,
                  "counters": {"num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
                               "num_dropped_invalid": a.num_dropped_invalid,
-                              "num_duplicates": a.num_duplicates}}
+                              "num_duplicates": a.num_duplicates,
+                              "num_reissued_after_invalid": a.num_reissued_after_invalid}}
         path = await self._torch(save_checkpoint, self.run_dir / "checkpoints", self.version, self.trainer,
                                  self.model_path, state, self.config.checkpoint.keep_last,
                                  self.config.checkpoint.hf_model)
@@ -194,8 +195,19 @@ class Controller:
             if len(ready) >= self.B:
                 return ready
             await self._issued()
+            await self._reissue_malformed()
             await self.issuer.issue_train(len(ready), self.version)
             arrivals = await self.reader.read(self.version)
+
+    async def _reissue_malformed(self) -> None:
+        """Issue again, under a fresh id, each train group whose copies all came back malformed for
+        learner.reissue_malformed_after_s; the old id is retired (a late copy of it is not trained)."""
+        for group_id in self.admission.overdue(self.config.learner.reissue_malformed_after_s):
+            new_id = await self.issuer.reissue(group_id, self.version)
+            self.admission.retire(group_id, new_id)
+            log.warning("group %s: no well-formed copy %.0fs after a malformed one; %s", group_id,
+                        self.config.learner.reissue_malformed_after_s,
+                        f"issued again as {new_id}" if new_id else "retired (an earlier process issued it)")
 
     async def train(self) -> dict:
         cfg = self.config
@@ -280,8 +292,8 @@ class Controller:
             "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages), "max_staleness": self.k,
             "staleness_counts": {str(age): n for age, n in sorted(Counter(ages).items())},
             "num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
-            "num_dropped_invalid": a.num_dropped_invalid,
-            "num_duplicates": a.num_duplicates, "in_flight": self.issuer.in_flight,
+            "num_dropped_invalid": a.num_dropped_invalid, "num_duplicates": a.num_duplicates,
+            "num_reissued_after_invalid": a.num_reissued_after_invalid, "in_flight": self.issuer.in_flight,
             "num_ranks": self.trainer.world_size, **train_metrics, **bc,
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
             # Each rollout server's cumulative engine-busy seconds (for its idle fraction over a span).
@@ -309,6 +321,7 @@ class Controller:
             "num_dropped_other": a.num_dropped_other, "num_dropped_invalid": a.num_dropped_invalid,
             "num_duplicates": a.num_duplicates,
             "num_reissued_after_queue_loss": self.issuer.num_reissued,
+            "num_reissued_after_invalid": a.num_reissued_after_invalid,
             "queue_reconnects": self.prompts.num_reconnects + self.trajectories.num_reconnects,
             "weights_sent_versions": len(self.broadcaster.sent_versions),
             "weights_verified_versions": len(self.broadcaster.verified_versions),

@@ -6,7 +6,11 @@ version v (a broadcast finishes before new groups are issued).
 It also remembers every group it issued that has not come back, so that a queue server that
 restarted without its data loses nothing: `reissue_outstanding` publishes them all again. That
 record is also what a returning group is checked against (`issued`): a group id this run never
-issued, or one already back, is not this run's work and changes no count."""
+issued, or one already back, is not this run's work and changes no count.
+
+A group whose copies all came back malformed is issued again by `reissue` under a fresh id: the
+queue publishes a key at most once per stream, so the same id would be skipped on the prompt stream,
+and on the trajectory stream if a forger published a copy under it first."""
 
 from __future__ import annotations
 
@@ -45,12 +49,15 @@ class PromptIssuer:
         """Train groups issued and not yet back."""
         return sum(1 for split, _ in self.outstanding.values() if split == "train") + self.unknown_in_flight
 
-    def prompt_group(self, ex: Example, split: str, n: int, version: int, greedy: bool) -> common_pb2.PromptGroup:
+    def _next_id(self, split: str, example_id: str) -> str:
         self.num_issued += 1
+        return f"{self.run_id}/{split}/{self.num_issued}/{example_id}"
+
+    def prompt_group(self, ex: Example, split: str, n: int, version: int, greedy: bool) -> common_pb2.PromptGroup:
         metadata = Struct()
         metadata.update(ex.metadata)
         group = common_pb2.PromptGroup(
-            group_id=f"{self.run_id}/{split}/{self.num_issued}/{ex.id}", run_id=self.run_id,
+            group_id=self._next_id(split, ex.id), run_id=self.run_id,
             messages=[common_pb2.ChatMessage(**m) for m in ex.prompt_messages], env_name=ex.env,
             env_metadata=metadata, n=n, issued_at_version=version, split=split)
         if greedy:
@@ -90,13 +97,33 @@ class PromptIssuer:
         issued = self._issued_groups.get(group.group_id)
         if issued is not None:
             return issued
-        run_id = group.group_id.split("/", 1)[0]
-        if run_id in self.earlier_run_ids and group.prompt.split == "train" and group.group_id not in self._earlier_back:
+        if (self.issued_before_restart(group.group_id) and group.prompt.split == "train"
+                and group.group_id not in self._earlier_back):
             issued = common_pb2.PromptGroup()
             issued.CopyFrom(group.prompt)
-            issued.run_id, issued.n = run_id, self.group_size
+            issued.run_id, issued.n = group.group_id.split("/", 1)[0], self.group_size
             return issued
         return None
+
+    def issued_before_restart(self, group_id: str) -> bool:
+        """Whether an earlier learner process of this run issued `group_id`."""
+        return group_id.split("/", 1)[0] in self.earlier_run_ids
+
+    async def reissue(self, group_id: str, version: int) -> str:
+        """Retire the outstanding group `group_id` and issue its prompt again at `version` under a
+        fresh id, which takes its place in flight; returns the new id, or "" for a group an earlier
+        process issued (its prompt is not known here: it is only retired)."""
+        old = self._issued_groups.get(group_id)
+        self.returned(group_id)
+        if old is None:
+            return ""
+        example_id = group_id.removeprefix(f"{old.run_id}/{old.split}/").split("/", 1)[1]
+        group = common_pb2.PromptGroup()
+        group.CopyFrom(old)
+        group.ClearField("trace_context")  # a trace of its own, started by `publish`
+        group.group_id, group.issued_at_version = self._next_id(old.split, example_id), version
+        await self.publish(group)
+        return group.group_id
 
     def resume(self, cursor: int, num_in_flight: int) -> None:
         """After a restart: continue the train data at `cursor`, and count `num_in_flight` groups

@@ -101,6 +101,8 @@ class LearnerSection(Section):
         return str(value) if isinstance(value, int) else value  # `learner.cpu_cores=1` parses as YAML int
     min_generators: int = Field(1, ge=1)
     """Rollout servers that must have registered before the learner issues work."""
+    reissue_malformed_after_s: float = Field(600.0, gt=0)
+    """Seconds a train group whose copies so far all came back malformed waits for a well-formed one before it is issued again under a fresh id (the old id is retired: a late copy of it is dropped, never trained)."""
     lora: LoRASection = LoRASection()
     """LoRA (peft) on the FSDP2 backend: only the adapter trains, and each weight update ships only the adapter."""
 

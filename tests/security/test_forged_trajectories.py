@@ -2,18 +2,21 @@
 who reaches the queue could: groups this run never issued, groups under a real outstanding id but
 malformed in every way the learner checks (lengths, token ids, logprobs, rewards, versions, sample
 count), an eval group with no samples, and bytes that are no TrajectoryGroup. Each is dropped with
-its reason in dropped_groups.jsonl and acked; none is
-trained on; the in-flight bound holds (an unknown id changes no count); the run completes and learns.
+its reason in dropped_groups.jsonl and acked; none is trained on; the in-flight bound holds (an
+unknown id changes no count); the run completes and learns.
 
-A forged copy of a real group id races the rollout server's real one: the test writes its forgeries
-the moment the learner issues the ids, and checks the content reason for those it won (most); a
-forgery that lost is dropped as "already back" instead."""
+The rule for a copy under a real group id: it is validated whenever it comes, and a malformed one
+never costs the real group. The test forges a malformed copy of each kind the moment the learner
+issues an id (most land before the rollout server's real copy: the real group must still be trained,
+0 lost), and again for ids already trained (dropped with the same content reason, never trained
+twice); a well-formed copy of a trained id is a duplicate."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -76,9 +79,9 @@ CASES = {
     "older than issued": (_versions(lambda g: g.prompt.issued_at_version - 1, lambda g: g.prompt.issued_at_version),
                           "not within the group's issue version"),
     "newer than the learner": (_versions(lambda g: g.prompt.issued_at_version, lambda g: 10**6),
-                               "newer than the learner"),
+                               "..1000000 are not within the group's issue version"),
 }
-ALREADY_BACK = "not issued by this run"
+NOT_ISSUED = "not issued by this run"
 
 
 class Forger:
@@ -86,23 +89,32 @@ class Forger:
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
-        self.seen: set[str] = set()
+        self.seen: dict[str, common_pb2.PromptGroup] = {}  # every prompt group seen, by id
         self.forged: dict[str, str] = {}  # group id -> expected reason
         self.cases: dict[str, str] = {}  # group id -> case name
+        self.first: set[str] = set()  # real group ids forged before the rollout server published its copy
+        self.late: set[str] = set()  # real group ids forged after their real copy was trained
         self.entry_ids: list[str] = []
         self.eval_forged: dict[str, int] = {}  # eval group id -> the round's version
         self.run_id = ""  # the run's id, from the first prompt group seen
 
-    def add(self, key: str, data: bytes) -> None:
-        self.entry_ids.append(self.client.xadd(TRAJECTORIES, {"key": key, "data": data}).decode())
+    def add(self, key: str, data: bytes) -> bool:
+        """Append a forged entry; whether the rollout server had published its copy under `key` before
+        (its publish marks the key in the stream's published set, atomically with its append)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(TRAJECTORIES, {"key": key, "data": data})
+        pipe.sismember(f"{TRAJECTORIES}:published", key)
+        entry_id, published = pipe.execute()
+        self.entry_ids.append(entry_id.decode())
+        return bool(published)
 
     def new_prompts(self) -> list[common_pb2.PromptGroup]:
         fresh = []
         for _, fields in self.client.xrevrange(PROMPTS, count=256):
             key = fields[b"key"].decode()
             if key not in self.seen:
-                self.seen.add(key)
-                fresh.append(common_pb2.PromptGroup.FromString(fields[b"data"]))
+                self.seen[key] = common_pb2.PromptGroup.FromString(fields[b"data"])
+                fresh.append(self.seen[key])
                 self.run_id = self.run_id or fresh[-1].run_id
         return fresh
 
@@ -115,17 +127,33 @@ class Forger:
     def forge_round(self, prompts: list[common_pb2.PromptGroup]) -> None:
         train = [p for p in prompts if p.split == "train" and p.issued_at_version >= 1]
         for (case, (mutate, reason)), prompt in zip([c for c in CASES.items() if c[0] not in self.done()], train):
-            group = _valid(prompt)
-            mutate(group)
-            self.add(prompt.group_id, group.SerializeToString())
-            self.forged[prompt.group_id] = reason
-            self.cases[prompt.group_id] = case
+            if not self.forge(prompt, case, mutate, reason):
+                self.first.add(prompt.group_id)
         evals = [p for p in prompts if p.split == "eval"]
         if evals and not self.eval_forged:
             empty = _valid(evals[0])
             empty.ClearField("samples")
             self.add(evals[0].group_id, empty.SerializeToString())
             self.eval_forged[evals[0].group_id] = evals[0].issued_at_version
+
+    def forge(self, prompt: common_pb2.PromptGroup, case: str, mutate, reason: str) -> bool:
+        """Append a copy of `prompt`'s answer broken by `mutate`; whether the real copy came first."""
+        group = _valid(prompt)
+        mutate(group)
+        self.forged[prompt.group_id], self.cases[prompt.group_id] = reason, case
+        return self.add(prompt.group_id, group.SerializeToString())
+
+    def forge_late(self, trained: set[str]) -> bool:
+        """Each malformed case again, under ids whose real copy was trained, and one well-formed copy
+        of a trained id; False until enough trained ids are known."""
+        ids = sorted(gid for gid in trained - set(self.forged) if gid in self.seen)
+        if len(ids) < len(CASES) + 1:
+            return False
+        for (case, (mutate, reason)), gid in zip(CASES.items(), ids):
+            self.forge(self.seen[gid], f"{case} (after the real copy was trained)", mutate, reason)
+            self.late.add(gid)
+        self.add(ids[-1], _valid(self.seen[ids[-1]]).SerializeToString())  # a duplicate, never trained twice
+        return True
 
     def done(self) -> set[str]:
         return set(self.cases.values())
@@ -136,7 +164,7 @@ class Forger:
             prompt = common_pb2.PromptGroup(group_id=gid, run_id=gid.split("/")[0], n=8, split="train",
                                             issued_at_version=1)
             self.add(gid, _valid(prompt).SerializeToString())
-            self.forged[gid] = "not issued by this run"
+            self.forged[gid] = NOT_ISSUED
             self.cases[gid] = f"unknown id {gid}"
         self.add("garbage", b"\xff\x00 not a protobuf \xff" * 8)
 
@@ -158,6 +186,7 @@ def test_forged_trajectory_entries_are_dropped_with_reasons_and_the_run_learns(t
             assert time.monotonic() < deadline, "no fresh prompt groups to forge answers for"
             forger.forge_round(forger.new_prompts())
             time.sleep(0.01)
+        up.wait_for(lambda: forger.forge_late(_trained_ids(run_dir)), 300, "trained groups to forge copies of")
         code = up.finish(timeout=900)
         assert code == 0, up.output()[-4000:]
         assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
@@ -170,19 +199,26 @@ def test_forged_trajectory_entries_are_dropped_with_reasons_and_the_run_learns(t
             reasons.setdefault(row["group_id"], []).append(row["reason"])
         lineage = surviving_lineage([json.loads(line) for line in
                                      (run_dir / "trained_groups.jsonl").read_text().splitlines()])
-        trained = {g for r in lineage for g in r["group_ids"]}
+        trained = Counter(g for r in lineage for g in r["group_ids"])
 
-        # Every forgery is on record with its reason (or, having lost the race, as already back).
-        won = 0
+        # Every forgery reached validation and is on record with its own defect, whether it came before
+        # or after the real copy; none under a real id is mistaken for a stranger's.
         for gid, reason in forger.forged.items():
             got = reasons.get(gid, [])
-            assert any(reason in r or ALREADY_BACK in r for r in got), (forger.cases[gid], got)
-            if any(reason in r for r in got):
-                won += 1
-                assert gid not in trained or reason == ALREADY_BACK, f"{forger.cases[gid]}: its id was trained"
-        print(f"forged {len(forger.forged)} groups; {won} dropped for their own defect; "
+            assert any(reason in r for r in got), (forger.cases[gid], got)
+            assert reason == NOT_ISSUED or not any(NOT_ISSUED in r for r in got), (forger.cases[gid], got)
+        # A malformed copy first never cost the real group: the rollout server's copy was trained (or
+        # judged on its own, e.g. too stale); nothing was issued again, and no id was trained twice.
+        assert forger.first, "no forgery landed before its real copy"
+        lost = [forger.cases[gid] for gid in forger.first
+                if gid not in trained and not any(not row.get("invalid") for row in dropped if row["group_id"] == gid)]
+        assert not lost, f"real groups lost to a malformed copy: {lost}"
+        assert summary["num_reissued_after_invalid"] == 0
+        assert max(trained.values()) == 1, [g for g, n in trained.items() if n > 1]
+        assert forger.late <= set(trained) and summary["num_duplicates"] >= 1
+        print(f"forged {len(forger.forged)} groups ({len(forger.first)} before their real copy, "
+              f"{len(forger.late)} after it was trained); {len(forger.first & set(trained))} of the first trained; "
               f"{summary['num_dropped_invalid']} invalid drops in all")
-        assert won >= len(forger.forged) // 2, "most forgeries must beat the real answer and show their defect"
         assert any("not a TrajectoryGroup" in r for r in reasons["garbage"]), reasons.get("garbage")
         # Acked: no forged entry is left pending on the learner.
         pending = {p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]
@@ -214,3 +250,9 @@ def test_forged_trajectory_entries_are_dropped_with_reasons_and_the_run_learns(t
 def _train_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [r for r in read_metrics(path) if r.get("kind") == "train"] if path.exists() else []
+
+
+def _trained_ids(run_dir: Path) -> set[str]:
+    path = run_dir / "trained_groups.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {gid for row in rows for gid in row.get("group_ids", [])}

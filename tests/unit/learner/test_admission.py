@@ -1,5 +1,7 @@
 """The learner's issuing and admission rules, with a recording fake in place of the Redis stream."""
 
+from pathlib import Path
+
 import pytest
 
 from rlmesh.learner.admission import Admission
@@ -41,12 +43,15 @@ def _issuer(k: int = 1, groups_per_step: int = 4) -> PromptIssuer:
     return PromptIssuer(FakeQueue(), "run", train, group_size=8, groups_per_step=groups_per_step, max_staleness=k)
 
 
-def _admission(k: int = 1, drop_flat: bool = False, issuer: PromptIssuer | None = None) -> Admission:
+def _admission(k: int = 1, drop_flat: bool = False, issuer: PromptIssuer | None = None,
+               restarted: bool = False) -> Admission:
     issuer = issuer or _issuer(k)
-    # Every group counts as issued here (the issued-by-this-run rule: tests/unit/learner/test_validation.py).
+    # Every group counts as issued here (the issued-by-this-run rule: tests/unit/learner/test_validation.py),
+    # by an earlier learner process of the run if `restarted`.
     return Admission(FakeQueue(), Records(), max_staleness=k, drop_zero_advantage_groups=drop_flat,
                      on_returned=issuer.returned, bounds=Bounds(vocab_size=100, max_abs_reward=1e4, max_seq_len=64),
-                     issued=lambda g: common_pb2.PromptGroup(split="train", n=len(g.samples)))
+                     issued=lambda g: common_pb2.PromptGroup(split="train", n=len(g.samples)),
+                     issued_before_restart=lambda group_id: restarted)
 
 
 def _group(gid: str, versions: list[tuple[int, int]], errors: int = 0, rewards=None) -> tuple[Entry, common_pb2.TrajectoryGroup]:
@@ -116,7 +121,7 @@ async def test_duplicate_of_a_trained_group_is_acked_without_counting_in_flight(
 
 
 async def test_group_from_weights_lost_in_a_restart_is_dropped():
-    admission = _admission()
+    admission = _admission(restarted=True)
     assert not await admission.accept(*_group("future", [(5, 5)] * 4), version=4)
     assert admission.num_dropped_other == 1
 
@@ -152,3 +157,108 @@ async def test_outstanding_groups_are_reissued_after_queue_loss():
     issuer.returned(first[0])
     assert await issuer.reissue_outstanding() == 2
     assert issuer.prompts.published[3:] == first[1:] and issuer.num_reissued == 2
+
+
+# A malformed copy never costs the real group (a real issuer and admission; the learner's loop
+# issues overdue groups again, `Controller._reissue_malformed`).
+
+BOUNDS = Bounds(vocab_size=100, max_abs_reward=1e4, max_seq_len=64)
+
+
+async def _issued_groups(num: int = 4):
+    issuer = _issuer(k=1, groups_per_step=num // 2)
+    await issuer.issue_train(num_buffered=0, version=3)
+    admission = Admission(FakeQueue(), Records(), max_staleness=1, drop_zero_advantage_groups=False,
+                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS,
+                          issued_before_restart=issuer.issued_before_restart)
+    return issuer, admission, [issuer._issued_groups[gid] for gid in issuer.prompts.published]
+
+
+def _answer(prompt: common_pb2.PromptGroup, malformed: bool = False) -> tuple[Entry, common_pb2.TrajectoryGroup]:
+    """The rollout server's answer to `prompt`; `malformed`: a copy with a token id outside the vocabulary."""
+    v = prompt.issued_at_version
+    samples = [common_pb2.Sample(index=i, completion=common_pb2.TokenSequence(token_ids=[5, 6], loss_mask=[True, True]),
+                                 logprobs=[-0.5, -0.7], min_version=v, max_version=v, reward=float(i % 2))
+               for i in range(prompt.n)]
+    if malformed:
+        samples[1].completion.token_ids[0] = 10**6
+    group = common_pb2.TrajectoryGroup(group_id=prompt.group_id, run_id=prompt.run_id, prompt=prompt,
+                                       prompt_token_ids=[1, 2], samples=samples)
+    return Entry(id=f"e-{prompt.group_id}-{'bad' if malformed else 'ok'}", key=prompt.group_id, data=b""), group
+
+
+def _controller(issuer: PromptIssuer, admission: Admission, timeout_s: float):
+    from dataclasses import fields
+
+    from rlmesh.learner.controller import Components, Controller
+    from rlmesh.services.config import load_config
+
+    config = load_config(None, ["model.type=hf", "model.path=unused", "algorithm.max_staleness=1",
+                                f"learner.reissue_malformed_after_s={timeout_s}"])
+    given = {"issuer": issuer, "admission": admission, "run_id": "run"}
+    parts = Components(**{f.name: given.get(f.name) for f in fields(Components)})  # the rest: None, unused
+    controller = Controller(config, Path("unused"), parts)
+    controller.version = 4
+    return controller
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_a_malformed_copy_first_then_the_real_one_is_trained_and_no_group_is_lost(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("rlmesh.learner.admission.time", clock)
+    issuer, admission, prompts = await _issued_groups()
+    controller = _controller(issuer, admission, timeout_s=60)
+    gid = prompts[0].group_id
+    assert not await admission.accept(*_answer(prompts[0], malformed=True), version=3)
+    assert admission.num_dropped_invalid == 1 and admission.trajectories.acked == [f"e-{gid}-bad"]
+    assert "outside the vocabulary" in admission.dropped_log.rows[0]["reason"] and issuer.in_flight == 4
+    clock.now += 59
+    await controller._reissue_malformed()
+    assert issuer.prompts.published == [p.group_id for p in prompts], "not overdue yet: nothing issued again"
+    assert await admission.accept(*_answer(prompts[0]), version=3), "the real copy is admitted"
+    admission.trained(gid)
+    assert admission.trained_groups == {gid} and issuer.in_flight == 3
+    clock.now += 3600
+    await controller._reissue_malformed()
+    assert issuer.prompts.published == [p.group_id for p in prompts] and admission.num_reissued_after_invalid == 0
+    # A malformed copy after it is validated and dropped with its reason; a well-formed one is a duplicate.
+    assert not await admission.accept(*_answer(prompts[0], malformed=True), version=3)
+    assert admission.num_dropped_invalid == 2 and "outside the vocabulary" in admission.dropped_log.rows[-1]["reason"]
+    assert not await admission.accept(*_answer(prompts[0]), version=3)
+    assert admission.num_duplicates == 1 and admission.malformed == {} and issuer.in_flight == 3
+
+
+async def test_a_group_that_only_comes_back_malformed_is_issued_again_after_the_timeout(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("rlmesh.learner.admission.time", clock)
+    issuer, admission, prompts = await _issued_groups()
+    issuer.unknown_in_flight = 2  # and two of an earlier process (after a restart), known by count
+    controller = _controller(issuer, admission, timeout_s=60)
+    old = prompts[1].group_id
+    assert not await admission.accept(*_answer(prompts[1], malformed=True), version=3)
+    clock.now += 30
+    assert not await admission.accept(*_answer(prompts[1], malformed=True), version=3)  # the timer runs from the first
+    clock.now += 31
+    await controller._reissue_malformed()
+    new = issuer.prompts.published[-1]
+    assert issuer.prompts.published[:-1] == [p.group_id for p in prompts] and new != old
+    assert admission.num_reissued_after_invalid == 1 and admission.retired == {old: new}
+    assert issuer.in_flight == 6, "the new id takes the old one's place in flight"
+    fresh = issuer._issued_groups[new]
+    assert fresh.issued_at_version == 4 and list(fresh.messages) == list(prompts[1].messages)
+    assert new.endswith("/" + old.rsplit("/", 1)[1]), "the same example"
+    await controller._reissue_malformed()
+    assert admission.num_reissued_after_invalid == 1, "issued again once"
+    # A late well-formed copy of the old id is dropped with its reason, never trained beside the new one.
+    assert not await admission.accept(*_answer(prompts[1]), version=4)
+    assert admission.dropped_log.rows[-1]["reason"].endswith(f"issued again as {new}")
+    assert admission.num_dropped_other == 1 and admission.buffered == set() and issuer.in_flight == 6
+    assert await admission.accept(*_answer(fresh), version=4)
+    assert admission.buffered == {new} and issuer.in_flight == 5

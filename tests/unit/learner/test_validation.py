@@ -52,7 +52,8 @@ async def _setup(version: int = 2):
     issuer = PromptIssuer(FakeQueue(), "run-a", EXAMPLES, group_size=4, groups_per_step=2, max_staleness=1)
     await issuer.issue_train(num_buffered=0, version=version)  # 4 train groups issued at `version`
     admission = Admission(FakeQueue(), Records(), max_staleness=1, drop_zero_advantage_groups=False,
-                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS)
+                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS,
+                          issued_before_restart=issuer.issued_before_restart)
     issued = [common_pb2.PromptGroup.FromString(data) for _, data in issuer.prompts.published]
     return issuer, admission, issued
 
@@ -91,14 +92,14 @@ async def test_an_unknown_group_id_is_dropped_and_changes_no_count():
     assert row["group_id"] == "run-a/train/999/x" and "not issued by this run" in row["reason"]
 
 
-async def test_a_second_copy_of_a_group_already_back_is_not_issued_any_more():
+async def test_a_well_formed_copy_of_a_group_already_back_is_a_duplicate_and_changes_no_count():
     issuer, admission, issued = await _setup()
     group = trajectory(issued[0], 2)
     group.samples[0].reward = group.samples[1].reward = group.samples[2].reward = group.samples[3].reward = 1.0
     admission.drop_flat = True
     assert not await admission.accept(_entry(group), group, version=2)  # dropped (flat), and back
     assert not await admission.accept(_entry(group), group, version=2)
-    assert issuer.in_flight == 3 and "not issued" in admission.dropped_log.rows[-1]["reason"]
+    assert issuer.in_flight == 3 and admission.num_duplicates == 1 and len(admission.dropped_log.rows) == 1
 
 
 
@@ -132,7 +133,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-async def test_a_malformed_group_is_dropped_with_its_reason_acked_and_counted_back(case):
+async def test_a_malformed_group_is_dropped_with_its_reason_and_acked_and_its_id_stays_outstanding(case):
     mutate, reason = CASES[case]
     issuer, admission, issued = await _setup()
     group = trajectory(issued[0], 2)
@@ -142,8 +143,14 @@ async def test_a_malformed_group_is_dropped_with_its_reason_acked_and_counted_ba
     row = admission.dropped_log.rows[0]
     assert reason in row["reason"], row
     assert row["group_id"] == issued[0].group_id
-    # It was this run's group id: it is back (a group id only counts once).
-    assert issuer.in_flight == 3
+    # Still in flight: the rollout server's well-formed copy is still to come, and is admitted.
+    assert issuer.in_flight == 4
+    assert await admission.accept(_entry(real := trajectory(issued[0], 2)), real, version=2)
+    assert issuer.in_flight == 3 and admission.num_dropped_invalid == 1
+    # A malformed copy arriving after it is validated too, and dropped with the same reason.
+    assert not await admission.accept(_entry(group), group, version=2)
+    assert admission.num_dropped_invalid == 2 and reason in admission.dropped_log.rows[-1]["reason"]
+    assert admission.buffered == {issued[0].group_id} and admission.num_duplicates == 0
 
 
 async def test_a_failed_sample_is_not_checked_it_is_never_trained():
@@ -155,31 +162,50 @@ async def test_a_failed_sample_is_not_checked_it_is_never_trained():
     assert await admission.accept(_entry(group), group, version=2)
 
 
-async def test_weights_newer_than_the_learner_keep_their_restart_reason():
-    issuer, admission, issued = await _setup()
-    group = trajectory(issued[0], 5)
-    assert not await admission.accept(_entry(group), group, version=2)
+async def _restarted(num_in_flight: int):
+    """run-a's groups, then a learner restarted as run-b with `num_in_flight` of them still out;
+    run-b tops the train groups up to its bound."""
+    _, _, old_issued = await _setup()
+    issuer = PromptIssuer(FakeQueue(), "run-b", EXAMPLES, group_size=4, groups_per_step=2, max_staleness=1)
+    issuer.earlier_run_ids, issuer.unknown_in_flight = {"run-a"}, num_in_flight
+    await issuer.issue_train(num_buffered=0, version=2)
+    admission = Admission(FakeQueue(), Records(), max_staleness=1, drop_zero_advantage_groups=False,
+                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS,
+                          issued_before_restart=issuer.issued_before_restart)
+    issued = [common_pb2.PromptGroup.FromString(data) for _, data in issuer.prompts.published]
+    return issuer, admission, old_issued, issued
+
+
+async def test_weights_newer_than_the_learner_keep_their_restart_reason_only_for_an_earlier_process():
+    issuer, admission, old_issued, issued = await _restarted(num_in_flight=2)
+    assert issuer.in_flight == 4 and len(issued) == 2
+    leftover = trajectory(old_issued[0], 5)  # by weights the restart lost: dropped, and back
+    assert not await admission.accept(_entry(leftover), leftover, version=2)
     assert admission.num_dropped_other == 1 and admission.num_dropped_invalid == 0
-    assert "newer than the learner" in admission.dropped_log.rows[0]["reason"]
+    assert "newer than the learner" in admission.dropped_log.rows[-1]["reason"] and issuer.in_flight == 3
+    # One this process issued cannot be (its generators were brought to the learner's weights first):
+    # a malformed copy, and the id stays outstanding.
+    mine = trajectory(issued[0], 5)
+    assert not await admission.accept(_entry(mine), mine, version=2)
+    assert admission.num_dropped_invalid == 1 and "versions 5..5" in admission.dropped_log.rows[-1]["reason"]
+    assert issuer.in_flight == 3 and list(admission.malformed) == [issued[0].group_id]
 
 
 async def test_groups_of_an_earlier_process_of_this_run_are_accepted_once_after_a_restart():
-    old, _, old_issued = await _setup()
-    issuer = PromptIssuer(FakeQueue(), "run-b", EXAMPLES, group_size=4, groups_per_step=2, max_staleness=1)
-    issuer.earlier_run_ids, issuer.unknown_in_flight = {"run-a"}, 4
-    admission = Admission(FakeQueue(), Records(), max_staleness=1, drop_zero_advantage_groups=False,
-                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS)
+    issuer, admission, old_issued, _ = await _restarted(num_in_flight=4)
     group = trajectory(old_issued[0], 2)
     assert await admission.accept(_entry(group), group, version=2)
     assert issuer.in_flight == 3
     admission.trained(group.group_id)
+    assert not await admission.accept(_entry(group), group, version=2)
+    assert admission.num_duplicates == 1 and issuer.in_flight == 3
     wrong_size = trajectory(old_issued[1], 2)
     wrong_size.samples.pop()
     assert not await admission.accept(_entry(wrong_size), wrong_size, version=2)
-    assert "3 samples, issued for 4" in admission.dropped_log.rows[-1]["reason"] and issuer.in_flight == 2
-    again = trajectory(old_issued[1], 2)
-    assert not await admission.accept(_entry(again), again, version=2)
-    assert "not issued" in admission.dropped_log.rows[-1]["reason"] and issuer.in_flight == 2
+    assert "3 samples, issued for 4" in admission.dropped_log.rows[-1]["reason"] and issuer.in_flight == 3
+    again = trajectory(old_issued[1], 2)  # the real copy, after the malformed one
+    assert await admission.accept(_entry(again), again, version=2)
+    assert issuer.in_flight == 2 and admission.num_dropped_invalid == 1
 
 
 async def test_an_eval_group_with_no_samples_is_a_failed_answer_not_a_crash():
