@@ -50,15 +50,28 @@ def pytest_configure(config):
     os.environ[processes.SESSION_ENV] = processes.new_id()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stop_what_the_module_started(request):
+    """What the module's tests and fixtures started and left is stopped after its last test."""
+    module = processes.new_id()
+    os.environ[processes.MODULE_ENV] = module
+    yield
+    del os.environ[processes.MODULE_ENV]
+    reaped = processes.reap(processes.MODULE_ENV, module, _SESSION_START, spare=processes.held_pool_worker)
+    if reaped:
+        _REAPED.append((request.node.nodeid, reaped))
+
+
 @pytest.fixture(autouse=True)
 def _stop_what_the_test_started(request):
     """Every process launched during the test inherits its owner id; all of them are stopped after
-    it, whether it passed, failed or timed out (pytest-timeout's signal method unwinds to here)."""
+    it, whether it passed, failed or timed out (pytest-timeout's signal method unwinds to here),
+    but for worker pools this process holds (they are the module's, stopped by their fixtures)."""
     owner = processes.new_id()
     os.environ[processes.OWNER_ENV] = owner
     yield
     del os.environ[processes.OWNER_ENV]
-    reaped = processes.reap(processes.OWNER_ENV, owner, _SESSION_START)
+    reaped = processes.reap(processes.OWNER_ENV, owner, _SESSION_START, spare=processes.held_pool_worker)
     if reaped:
         _REAPED.append((request.node.nodeid, reaped))
 
@@ -66,9 +79,10 @@ def _stop_what_the_test_started(request):
 def pytest_sessionfinish(session, exitstatus):
     """Fails the session if any process a test started (session fixtures included, which are torn
     down by now) is still running; stops them."""
-    left = processes.still_running(processes.SESSION_ENV, os.environ[processes.SESSION_ENV], _SESSION_START)
+    session_id = os.environ[processes.SESSION_ENV]
+    left = processes.still_running(processes.SESSION_ENV, session_id, _SESSION_START, spare=processes.held_pool_worker)
     if left:
-        processes.reap(processes.SESSION_ENV, os.environ[processes.SESSION_ENV], _SESSION_START)
+        processes.reap(processes.SESSION_ENV, session_id, _SESSION_START, spare=processes.held_pool_worker)
         session.config._rlmesh_leaked = left
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -1,11 +1,15 @@
 """Every process a test starts is stopped, whatever the test's outcome.
 
-Each test runs with `RLMESH_TEST_OWNER=<id>` in the environment, and the whole session with
-`RLMESH_TEST_SESSION=<id>`. Both are inherited by everything a test launches — `rlmesh up`, the
-services it starts in process sessions of their own, vLLM's engine processes, torchrun's ranks —
-so a process can be found by its environment even after its parent died or it was re-parented.
-After each test the processes carrying its owner id are signalled (SIGTERM, then SIGKILL); at the
-end of the session any process still carrying the session id fails the run."""
+Each test runs with `RLMESH_TEST_OWNER=<id>` in the environment, each test module with
+`RLMESH_TEST_MODULE=<id>` and the whole session with `RLMESH_TEST_SESSION=<id>`. They are inherited
+by everything a test launches — `rlmesh up`, the services it starts in process sessions of their
+own, vLLM's engine processes, torchrun's ranks — so a process can be found by its environment even
+after its parent died or it was re-parented. After each test the processes carrying its owner id
+are signalled (SIGTERM, then SIGKILL); after each module, everything carrying the module's id; at
+the end of the session any process still carrying the session id fails the run. Worker pools the
+test process itself holds are spared throughout (its `multiprocessing` children, such as a module
+fixture's pool started on first use, or multiprocessing's resource tracker): their owners stop them,
+and they end with the test process."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import uuid
 import psutil
 
 OWNER_ENV = "RLMESH_TEST_OWNER"
+MODULE_ENV = "RLMESH_TEST_MODULE"
 SESSION_ENV = "RLMESH_TEST_SESSION"
 # Machine-wide daemons a test may start once and leave for the next run (the Docker engine that
 # `deploy/docker/stack.sh engine` starts when none is running): not a test's processes.
@@ -26,7 +31,20 @@ def new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def _carrying(key: str, value: str, since: float) -> list[psutil.Process]:
+def held_pool_worker(proc: psutil.Process) -> bool:
+    """A `multiprocessing` child of this (the pytest) process: a worker of a pool some object here
+    holds and stops (spawned or forkserver children run multiprocessing's entry point; forked ones
+    run this process's command line)."""
+    try:
+        if proc.ppid() != os.getpid():
+            return False
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return False
+    return any("multiprocessing" in part for part in cmdline) or cmdline == psutil.Process().cmdline()
+
+
+def _carrying(key: str, value: str, since: float, spare=lambda proc: False) -> list[psutil.Process]:
     me = os.getpid()
     found = []
     for proc in psutil.process_iter(["pid", "create_time", "name"]):
@@ -34,7 +52,7 @@ def _carrying(key: str, value: str, since: float) -> list[psutil.Process]:
         if info["pid"] == me or (info["create_time"] or 0) < since or info["name"] in DAEMONS:
             continue
         try:
-            if proc.environ().get(key) == value and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.environ().get(key) == value and proc.status() != psutil.STATUS_ZOMBIE and not spare(proc):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -48,10 +66,10 @@ def describe(proc: psutil.Process) -> str:
         return f"{proc.pid} (exited)"
 
 
-def reap(key: str, value: str, since: float, grace_s: float = 5.0) -> list[str]:
-    """Stop every live process whose environment has `key=value` (SIGTERM, then SIGKILL after
-    `grace_s`); returns what was found running, described."""
-    procs = _carrying(key, value, since)
+def reap(key: str, value: str, since: float, grace_s: float = 5.0, spare=lambda proc: False) -> list[str]:
+    """Stop every live process whose environment has `key=value`, but those `spare` keeps (SIGTERM,
+    then SIGKILL after `grace_s`); returns what was found running, described."""
+    procs = _carrying(key, value, since, spare)
     if not procs:
         return []
     found = [describe(p) for p in procs]
@@ -70,9 +88,10 @@ def reap(key: str, value: str, since: float, grace_s: float = 5.0) -> list[str]:
     return found
 
 
-def still_running(key: str, value: str, since: float) -> list[str]:
-    """Live processes carrying `key=value`, after giving ones caught mid-exit a moment."""
+def still_running(key: str, value: str, since: float, spare=lambda proc: False) -> list[str]:
+    """Live processes carrying `key=value` (but those `spare` keeps), after giving ones caught
+    mid-exit a moment."""
     deadline = time.monotonic() + 3.0
-    while (procs := _carrying(key, value, since)) and time.monotonic() < deadline:
+    while (procs := _carrying(key, value, since, spare)) and time.monotonic() < deadline:
         time.sleep(0.25)
     return [describe(p) for p in procs]

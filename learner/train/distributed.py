@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +22,21 @@ from rlmesh.services.ports import free_port
 log = logging.getLogger(__name__)
 
 
+def die_with_launcher() -> None:
+    """torchrun starts each rank in a process session of its own, so a launcher that is SIGKILLed
+    (the OOM killer, or `rlmesh up` giving up on a learner) would leave its ranks training beside
+    the job that replaces it. On Linux the kernel kills this rank when its parent dies."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        log.warning("could not ask to die with torchrun's launcher (prctl errno %d)", ctypes.get_errno())
+    if os.getppid() == 1:  # the launcher died before the call
+        os._exit(1)
+
+
 def init_distributed() -> tuple[int, int]:
     """Join torchrun's group when launched by it (RANK set); otherwise a world of one. Picks
     LOCAL_RANK's GPU where there are GPUs."""
@@ -28,6 +45,7 @@ def init_distributed() -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" in os.environ:
+            die_with_launcher()
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             # torchrun's agent keeps one store across elastic restarts: without a key prefix per
             # attempt, restarted ranks read the dead attempt's addresses and never connect.

@@ -1,8 +1,10 @@
 """Fault injection: each tier is SIGKILLed mid-run — the reward server, a rollout server, its vLLM
-engine process, the learner, and Valkey (restarted with its data, and empty) — and brought back the
-way a supervisor would (`rlmesh up` for the services, the test for Valkey). Two meshes carry the six
-faults, one after another, each recovered from (training moved on by two steps) before the next:
-the services' faults in one run, the learner's and the queue's in the other. Each run must complete,
+engine process, one rank of a 2-rank learner (torchrun restarts the job), the whole learner, and
+Valkey (restarted with its data, and empty) — and brought back the way a supervisor would (torchrun
+for a rank, `rlmesh up` for the services, the test for Valkey). Two meshes carry the seven faults,
+one after another, each recovered from (training moved past the next fault's step) before the next:
+the services' faults in one run, the learner's and the queue's in the other (its learner a 2-rank
+torchrun job). Each run must complete,
 train every group at most once in the surviving lineage, account for every group trained only in a
 lost step (trained again, still pending, or dropped on record), and end with the rollout weights
 equal to the learner's. Each fault prints its row of the README's table (stall: the longest gap
@@ -31,8 +33,10 @@ NUM_STEPS, GROUPS_PER_STEP = 16, 16
 # fault -> the training step (policy version reached) after which it is injected
 SCENARIOS = {
     "services": [("reward", 3), ("rollout", 7), ("vllm_engine", 11)],
-    "learner_and_queue": [("learner", 5), ("valkey_with_data", 9), ("valkey_without_data", 12)],
+    # after checkpoint 4, so that the restarted job resumes from a checkpoint
+    "learner_and_queue": [("learner_rank", 5), ("learner", 9), ("valkey_with_data", 12), ("valkey_without_data", 14)],
 }
+OVERRIDES = {"services": (), "learner_and_queue": ("learner.num_ranks=2",)}
 
 
 def _valkey(port: int, data_dir: Path):
@@ -73,10 +77,27 @@ def _service(up: Up, needle: str) -> psutil.Process:
     return found[0]
 
 
+def _learner_rank(up: Up, rank: int) -> psutil.Process:
+    up.poll_children()
+    for proc in up.seen.values():
+        try:
+            if " learner " in f" {_cmdline(proc)} " and proc.environ().get("RANK") == str(rank) and proc.is_running():
+                return proc
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"learner rank {rank} not found among rlmesh up's processes")
+
+
 def _kill(up: Up, fault: str, valkey, port: int, tmp: Path):
     """Inject `fault`; returns the Valkey server now serving (a new one after a Valkey fault)."""
-    if fault in ("reward", "rollout", "learner"):
+    if fault in ("reward", "rollout"):
         _service(up, f" {fault} ").send_signal(signal.SIGKILL)
+    elif fault == "learner":  # the service: torchrun's launcher when the learner has several ranks
+        up.poll_children()
+        launcher = [p for p in up.seen.values() if p.is_running() and "torch.distributed.run" in _cmdline(p)]
+        (launcher[0] if launcher else _service(up, " learner ")).send_signal(signal.SIGKILL)
+    elif fault == "learner_rank":
+        _learner_rank(up, 1).send_signal(signal.SIGKILL)
     elif fault == "vllm_engine":
         rollout = _service(up, " rollout ")
         engines = rollout.children(recursive=True)
@@ -113,7 +134,7 @@ def test_faults_are_survived_exactly_once(scenario, tmp_path):
     run_dir = tmp_path / "run"
     up = Up(run_dir, "sft.num_steps=50", f"learner.num_steps={NUM_STEPS}", f"learner.groups_per_step={GROUPS_PER_STEP}",
             "learner.eval_every=0", "data.num_eval=8", "checkpoint.every_n_steps=4", "checkpoint.keep_last=20",
-            f"queue.url=redis://127.0.0.1:{port}", "queue.claim_idle_ms=5000")
+            f"queue.url=redis://127.0.0.1:{port}", "queue.claim_idle_ms=5000", *OVERRIDES[scenario])
     kills: list[tuple[str, float]] = []
     try:
         for fault, after_step in SCENARIOS[scenario]:
@@ -154,6 +175,7 @@ def test_faults_are_survived_exactly_once(scenario, tmp_path):
         assert trained_twice == 0, "a group was trained twice in the surviving lineage"
         assert len(trained) == NUM_STEPS * GROUPS_PER_STEP
         assert lost == [], f"groups trained only in lost steps vanished: {lost[:5]}"
+        assert not pending & set(trained), "trained groups are acked once their checkpoint is durable"
         assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
         output = up.output()
         for fault, _ in SCENARIOS[scenario]:
@@ -162,7 +184,9 @@ def test_faults_are_survived_exactly_once(scenario, tmp_path):
                 name = "rollout-0" if fault == "rollout" else fault
                 assert f"service '{name}' exited with code -9; restarting" in output, output[-3000:]
         if scenario == "learner_and_queue":
-            assert summary["resumed_from"] is not None and summary["resumed_from"] >= 4
+            assert summary["num_ranks"] == 2 and summary["resumed_from"] is not None and summary["resumed_from"] >= 8
+            # torchrun restarted the job after its rank died (before rlmesh up restarted the service)
+            assert (run_dir / "logs" / "learner.log").read_text().count("resumed from step_") >= 2
             assert summary["num_reissued_after_queue_loss"] > 0, "the lost queue was noticed and refilled"
     finally:
         valkey.terminate()
