@@ -9,8 +9,10 @@ processes (`reward.function_workers`), each started with:
 - an address-space limit (RLIMIT_AS, `reward.function_memory_mb`): an allocation past it raises
   MemoryError, the item fails and the worker is replaced;
 - a CPU-time limit per call (RLIMIT_CPU, `reward.function_cpu_s`): the kernel kills a call that
-  spins past it; and a wall-clock deadline per call (`reward.env_timeout_s`), past which the server
-  kills the worker itself (SIGKILL) and starts a replacement.
+  spins past it; and a wall-clock deadline per call (`reward.env_timeout_s`, or the Score call's own
+  deadline when that comes sooner), past which the server kills the worker itself (SIGKILL) and
+  starts a replacement. So a call whose caller has stopped waiting (its Score was answered with an
+  error) neither keeps its worker nor goes on waiting for a free one.
 
 Calls and answers travel as JSON lines over pipes (never pickle: the worker runs code the server
 must not trust with its own process). A worker's stdout goes to its stderr, so a `print` in a
@@ -168,21 +170,24 @@ class FunctionWorkerPool:
 
         threading.Thread(target=start, name=f"fn-{self.name}-start", daemon=True).start()
 
-    def call(self, request: dict) -> dict:
-        """Run one call: the worker's answer, or {"error": ...} when no worker answered in time."""
-        deadline = time.monotonic() + self.limits.timeout_s
+    def call(self, request: dict, deadline: float | None = None) -> dict:
+        """Run one call by `deadline` (`time.monotonic()`; at most `limits.timeout_s` from now): the
+        worker's answer, or {"error": ...} when no worker answered in time."""
+        now = time.monotonic()
+        latest = now + self.limits.timeout_s
+        deadline = latest if deadline is None else min(deadline, latest)
+        timeout = deadline - now
         try:
-            worker = self._idle.get(timeout=self.limits.timeout_s)
+            worker = self._idle.get(timeout=max(timeout, 0.0))
         except queue.Empty:
-            return {"error": f"no free worker within {self.limits.timeout_s:g}s (all {self.limits.num_workers} "
-                             f"busy; reward.function_workers)"}
+            return {"error": f"no free worker within {timeout:.3g}s (all {self.limits.num_workers} busy; "
+                             "reward.function_workers)"}
         try:
             answer = worker.call(request, deadline)
         except TimeoutError:
-            self._replace(worker, f"missed the deadline of {self.limits.timeout_s:g}s (reward.env_timeout_s) and "
-                                  "was killed")
-            return {"error": f"did not return within {self.limits.timeout_s:g}s (reward.env_timeout_s); its worker "
-                             "was killed and replaced"}
+            self._replace(worker, f"missed its call's deadline of {timeout:.3g}s and was killed")
+            return {"error": f"did not return within {timeout:.3g}s (its call's deadline: reward.env_timeout_s, or "
+                             "the Score call's when sooner); its worker was killed and replaced"}
         except WorkerDied as err:
             self._replace(worker, f"died ({err})")
             return {"error": f"its worker died ({err}): over reward.function_cpu_s={self.limits.cpu_s:g} CPU "

@@ -40,7 +40,7 @@ async def serve(config: RunConfig, port: int) -> None:
         # A name declared remote is served by its remote server, never by the built-in of that name.
         {k: v for k, v in section.functions.items() if k not in section.remote},
         builtin=[name for name in BUILTIN if name not in section.remote and name != "math"],
-        token=token, remote_timeout_s=section.score_timeout_s,
+        token=token, remote_timeout_s=section.score_timeout_s, score_timeout_s=section.score_timeout_s,
         env_timeout_s=section.env_timeout_s,
         env_max_concurrency=section.env_max_concurrency,
         session_idle_timeout_s=section.session_idle_timeout_s,

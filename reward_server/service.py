@@ -8,11 +8,14 @@ starves the others. Remote environments are proxied to the server registered for
 
 Errors: `Score` never fails as a call for what an environment does; every item gets a result, with
 `error` set when it could not be scored (an environment that raised, hung, returned NaN, or a
-remote that died or answered wrongly). Session calls fail with a status code instead:
-INVALID_ARGUMENT (bad metadata or session id), NOT_FOUND (unknown or expired session),
-FAILED_PRECONDITION (not multi-turn, another replica's session, episode over, step in flight),
-DEADLINE_EXCEEDED (the environment missed its timeout), INTERNAL (it raised or returned a non-finite
-reward), ABORTED (its remote server is gone). A session whose environment failed is closed.
+remote that died or answered wrongly). A `Score` is answered within `reward.score_timeout_s` (or
+the caller's deadline, when sooner) plus `SCORE_MARGIN_S`, however its environments behave: items
+still unscored at 90% of it fail with an error saying what did not return in time. Session calls
+fail with a status code instead: INVALID_ARGUMENT (bad metadata or session id), NOT_FOUND (unknown
+or expired session), FAILED_PRECONDITION (not multi-turn, another replica's session, episode over,
+step in flight), DEADLINE_EXCEEDED (the environment missed its timeout), INTERNAL (it raised or
+returned a non-finite reward), ABORTED (its remote server is gone). A session whose environment
+failed is closed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
@@ -50,6 +54,9 @@ BUILTIN = {"arithmetic": ArithmeticEnvironment, "guess_number": GuessNumberEnvir
 # Share of the caller's remaining deadline given to the environment, so that per-item errors get
 # back to the caller before its own deadline ends the whole call.
 _DEADLINE_SHARE = 0.9
+SCORE_MARGIN_S = 1.0
+"""How late past `reward.score_timeout_s` a Score may be answered: event-loop and thread scheduling
+on a loaded host (tens of milliseconds on an idle one); no environment work is waited for in it."""
 
 
 def to_proto_messages(env_name: str, messages: list[Message]) -> list[common_pb2.ChatMessage]:
@@ -81,29 +88,35 @@ def caller(context: grpc.aio.ServicerContext) -> str:
     return host if tier is None else f"{tier}@{host}"
 
 
-def _budget(context: grpc.aio.ServicerContext) -> float | None:
+def _budget(context: grpc.aio.ServicerContext, limit_s: float | None = None) -> float | None:
+    """Seconds the environments get: a share of the caller's remaining deadline, or of `limit_s`
+    (the server's own bound) when that is sooner or the caller set none."""
     remaining = context.time_remaining()
+    if limit_s is not None:
+        remaining = limit_s if remaining is None else min(remaining, limit_s)
     return None if remaining is None else max(remaining * _DEADLINE_SHARE, 0.001)
 
 
 class RewardService(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, functions: dict[str, str] | None = None, *, token: str | None = None,
-                 remote_timeout_s: float = 30.0, env_timeout_s: float = 30.0, env_max_concurrency: int = 8,
-                 session_idle_timeout_s: float = 600.0, replica_id: str | None = None,
+                 remote_timeout_s: float = 30.0, score_timeout_s: float = 30.0, env_timeout_s: float = 30.0,
+                 env_max_concurrency: int = 8, session_idle_timeout_s: float = 600.0, replica_id: str | None = None,
                  builtin: Iterable[str] | None = None, allow_register: bool = False,
                  limits: RequestLimits | None = None, tls: TLSFiles | None = None,
                  function_limits: WorkerLimits | None = None) -> None:
-        """`env_timeout_s` bounds every local environment call (a Score batch, a reset, a step);
-        `env_max_concurrency` is how many calls each local environment runs at once; `builtin`
-        picks the built-in environments to serve (all by default; none for a pure proxy);
-        `allow_register` accepts RegisterEnvironment calls; `limits` bound each request; `tls` is
-        used on the channels to remote environment servers; `function_limits` says how user reward
-        functions' worker processes run."""
+        """`score_timeout_s` bounds every Score call, whatever deadline its caller set (see the
+        module docstring); `env_timeout_s` bounds every local environment call (a Score batch, a
+        reset, a step); `env_max_concurrency` is how many calls each local environment runs at
+        once; `builtin` picks the built-in environments to serve (all by default; none for a pure
+        proxy); `allow_register` accepts RegisterEnvironment calls; `limits` bound each request;
+        `tls` is used on the channels to remote environment servers; `function_limits` says how
+        user reward functions' worker processes run."""
         names = list(BUILTIN) if builtin is None else list(builtin)
         unknown = sorted(set(names) - set(BUILTIN))
         if unknown:
             raise ValueError(f"unknown built-in environment(s) {', '.join(unknown)}; choices: {', '.join(BUILTIN)}")
         self._env_max_concurrency, self._env_timeout_s = env_max_concurrency, env_timeout_s
+        self.score_timeout_s = score_timeout_s
         self.local: dict[str, Any] = {}
         self.remote: dict[str, RemoteEnvironment] = {}
         self._runners: dict[str, EnvRunner] = {}
@@ -190,9 +203,15 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         env = self.local[env_name]
         inputs = [ScoreInput(items[i].id, to_messages(items[i].prompt), items[i].completion,
                              MessageToDict(items[i].env_metadata)) for i in idx]
+        score = env.score
+        if isinstance(env, FunctionEnvironment) and budget_s is not None:
+            # Its worker is killed when the caller stops waiting, not env_timeout_s later: a hung
+            # function would otherwise hold the worker past the answer, and a call still queued for
+            # a worker would hang the replacement too.
+            score = functools.partial(env.score, deadline=time.monotonic() + budget_s)
         error = ""
         try:
-            outputs = await self._runners[env_name].call("score", env.score, inputs, timeout_s=budget_s)
+            outputs = await self._runners[env_name].call("score", score, inputs, timeout_s=budget_s)
             if len(outputs) != len(inputs):
                 error = f"environment {env_name!r} returned {len(outputs)} results for {len(inputs)} items"
         except EnvironmentTimeout as err:
@@ -345,7 +364,8 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             self.limits.check_score(request.items)
         except SessionError as err:
             await context.abort(grpc.StatusCode[err.code], str(err))
-        return reward_pb2.ScoreResponse(results=await self.score(list(request.items), _budget(context)))
+        budget_s = _budget(context, self.score_timeout_s)
+        return reward_pb2.ScoreResponse(results=await self.score(list(request.items), budget_s))
 
     async def ListEnvironments(self, request, context):
         return reward_pb2.ListEnvironmentsResponse(environments=self.environments())

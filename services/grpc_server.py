@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -64,8 +65,9 @@ class ServerLimits:
 class _ServerInterceptor(grpc.aio.ServerInterceptor):
     """Refuses a call before its request is parsed: without the bearer token (UNAUTHENTICATED), from a
     tier the server's policy does not allow (PERMISSION_DENIED, mutual TLS only), past the server's
-    concurrent-call limit or message size (RESOURCE_EXHAUSTED). Runs each call in a span continuing
-    the caller's trace."""
+    concurrent-call limit or message size (RESOURCE_EXHAUSTED); then refuses a request that does not
+    parse as the method's message (INVALID_ARGUMENT). Runs each call in a span continuing the
+    caller's trace."""
 
     def __init__(self, token: str | None, policy: Policy | None, limits: ServerLimits, mutual_tls: bool) -> None:
         self._token, self._policy, self._limits, self._mutual = token, policy, limits, mutual_tls
@@ -115,7 +117,15 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{method}: request of {len(raw)} bytes is over the limit {self._limits.message_key} "
                 f"({self._limits.max_message_bytes} bytes); send smaller batches or raise the limit")
-        return deserialize(raw) if deserialize is not None else raw
+        if deserialize is None:
+            return raw
+        try:
+            return deserialize(raw)
+        except DecodeError as err:  # gRPC would answer UNKNOWN, which blames the server
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{method}: the request ({len(raw)} bytes) does not parse ({err}); send the method's request "
+                "message, serialized (are client and server built from the same rlmesh.v1 protos?)")
 
 
 def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, guard: _ServerInterceptor, authorized: bool,

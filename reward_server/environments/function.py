@@ -38,11 +38,13 @@ class FunctionEnvironment:
         self.description = f"user reward function {path}"
         self.workers = FunctionWorkerPool(name, path, limits or WorkerLimits())
 
-    def score(self, items: list[ScoreInput]) -> list[ScoreOutput]:
+    def score(self, items: list[ScoreInput], deadline: float | None = None) -> list[ScoreOutput]:
+        """`deadline` (`time.monotonic()`): when the caller stops waiting; a worker still on an item
+        then is killed (at the latest `reward.env_timeout_s` into the item)."""
         out = []
         for item in items:
             answer = self.workers.call({"prompt": item.prompt, "completion": item.completion,
-                                        "metadata": item.metadata})
+                                        "metadata": item.metadata}, deadline)
             if "error" in answer:
                 out.append(ScoreOutput(error=f"{self.name}: {answer['error']}"))
             else:

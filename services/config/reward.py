@@ -137,7 +137,7 @@ class RewardSection(Section):
     remote: dict[str, str] = {}
     """Remote environment servers to proxy: name -> host:port."""
     score_timeout_s: float = Field(30.0, gt=0)
-    """Deadline of one batched Score call."""
+    """Deadline of one batched Score call: the rollout server waits this long, and the reward server answers within it (plus up to 1 s of scheduling on a loaded host) whatever its environments do, failing each item still unscored at 90% of it with an error (a hung reward function's worker is killed then, and replaced)."""
     env_timeout_s: float = Field(30.0, gt=0)
     """Deadline of one local environment call (a Score batch or item, a reset, a step); past it the item fails or the step returns DEADLINE_EXCEEDED."""
     env_max_concurrency: int = Field(8, ge=1)

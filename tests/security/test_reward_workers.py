@@ -1,22 +1,25 @@
 """User reward functions run in worker processes the reward server can kill: one that allocates
 without bound, or never returns (spinning or sleeping), fails its own items and its worker is
-killed and replaced, while other calls are answered; workers get no credentials from the server's
+killed and replaced, while other calls are answered; a Score is answered within
+reward.score_timeout_s whatever the caller's deadline; workers get no credentials from the server's
 environment; the function's health entry says NOT_SERVING while its workers are stuck. A real
 reward server on a loopback port, real worker processes."""
 
 import asyncio
 import os
+import re
 import sys
 import time
 
 
+import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.server import SERVICE_NAME, report_function_health
-from rlmesh.reward_server.service import RewardService
+from rlmesh.reward_server.service import SCORE_MARGIN_S, RewardService
 from rlmesh.services.grpc_client import make_channel
 from rlmesh.services.grpc_server import start_server
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
@@ -142,6 +145,36 @@ async def test_a_function_that_never_returns_is_killed_and_replaced(reward, name
             break
         await asyncio.sleep(0.2)
     assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_hung_function_is_answered_within_score_timeout_s_whatever_the_caller_waits():
+    """reward.score_timeout_s=2 below env_timeout_s=8, and a caller that sets no deadline: a Score
+    of three items of a function that never returns (one worker, so two wait for it) comes back
+    within 2 s + SCORE_MARGIN_S, each item failed saying what missed the time it had (at most 1.8 s,
+    90% of 2 s), and the stuck worker is killed then, not when env_timeout_s runs out."""
+    service = RewardService({"sleeper": f"{FNS}:sleeper"}, builtin=[], score_timeout_s=2.0, env_timeout_s=8.0,
+                            function_limits=WorkerLimits(num_workers=1, memory_mb=256, timeout_s=8.0))
+    server = await start_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
+                                port=0)
+    env = service.local["sleeper"]
+    try:
+        before = _pid(env)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            t0 = time.monotonic()
+            reply = await reward_pb2_grpc.RewardServiceStub(channel).Score(_items("sleeper", 3))  # no deadline
+            elapsed = time.monotonic() - t0
+        assert elapsed < 2.0 + SCORE_MARGIN_S, f"answered after {elapsed:.1f}s"
+        assert [r.id for r in reply.results] == ["0", "1", "2"]
+        for result in reply.results:  # an error, so the sample is dropped, never trained on as reward 0
+            assert re.search(r"(did not return|no free worker) within 1\.\d+s", result.error), result.error
+        for _ in range(10):
+            if not _alive(before):
+                break
+            await asyncio.sleep(0.1)
+        assert not _alive(before), "the stuck worker is killed when the Score is answered"
+    finally:
+        await server.stop(0)
+        env.close()
 
 
 async def test_a_call_over_its_cpu_seconds_is_killed_by_the_kernel():
