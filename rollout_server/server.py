@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 
 import grpc
 import uvloop
@@ -178,6 +179,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
         for t in tasks:
             t.cancel()
         await worker.stop()
+        log.info("deregistered and stopped the queue worker; draining calls")
 
     serving = asyncio.create_task(server.serve_forever(grace_s=5.0, on_stop=on_stop))
     # A background task that dies takes the server down with its error, never silently.
@@ -191,7 +193,10 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
             except Exception as err:  # a dead engine may fail to shut down; exiting matters more
                 log.warning("engine shutdown failed: %r", err)
             raise t.exception()
+    log.info("stopped serving; shutting the engine down")
+    t0 = time.monotonic()
     generator.shutdown()
+    log.info("engine shut down in %.1fs", time.monotonic() - t0)
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:
