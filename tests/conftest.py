@@ -50,30 +50,29 @@ def pytest_configure(config):
     os.environ[processes.SESSION_ENV] = processes.new_id()
 
 
+def _owning(key: str, nodeid: str):
+    """Everything launched while this runs carries `key=<a new id>`; afterwards whatever of it still
+    runs is stopped (worker pools this process holds are spared: their owners stop them)."""
+    value = processes.new_id()
+    os.environ[key] = value
+    yield
+    del os.environ[key]
+    reaped = processes.reap(key, value, _SESSION_START, spare=processes.held_pool_worker)
+    if reaped:
+        _REAPED.append((nodeid, reaped))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _stop_what_the_module_started(request):
     """What the module's tests and fixtures started and left is stopped after its last test."""
-    module = processes.new_id()
-    os.environ[processes.MODULE_ENV] = module
-    yield
-    del os.environ[processes.MODULE_ENV]
-    reaped = processes.reap(processes.MODULE_ENV, module, _SESSION_START, spare=processes.held_pool_worker)
-    if reaped:
-        _REAPED.append((request.node.nodeid, reaped))
+    yield from _owning(processes.MODULE_ENV, request.node.nodeid)
 
 
 @pytest.fixture(autouse=True)
 def _stop_what_the_test_started(request):
-    """Every process launched during the test inherits its owner id; all of them are stopped after
-    it, whether it passed, failed or timed out (pytest-timeout's signal method unwinds to here),
-    but for worker pools this process holds (they are the module's, stopped by their fixtures)."""
-    owner = processes.new_id()
-    os.environ[processes.OWNER_ENV] = owner
-    yield
-    del os.environ[processes.OWNER_ENV]
-    reaped = processes.reap(processes.OWNER_ENV, owner, _SESSION_START, spare=processes.held_pool_worker)
-    if reaped:
-        _REAPED.append((request.node.nodeid, reaped))
+    """Every process launched during the test is stopped after it, whether it passed, failed or
+    timed out (pytest-timeout's signal method unwinds to here)."""
+    yield from _owning(processes.OWNER_ENV, request.node.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):
