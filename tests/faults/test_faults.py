@@ -187,6 +187,10 @@ def test_faults_are_survived_exactly_once(scenario, tmp_path):
             assert summary["num_ranks"] == 2 and summary["resumed_from"] is not None and summary["resumed_from"] >= 8
             # torchrun restarted the job after its rank died (before rlmesh up restarted the service)
             assert (run_dir / "logs" / "learner.log").read_text().count("resumed from step_") >= 2
-            assert summary["num_reissued_after_queue_loss"] > 0, "the lost queue was noticed and refilled"
+            # Killed with its data, Valkey lost nothing; restarted empty, the loss was noticed and refilled.
+            emptied_at = dict(kills)["valkey_without_data"]
+            losses = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "queue_loss"]
+            assert not [r for r in losses if r["time"] < emptied_at], f"queue loss before Valkey was emptied: {losses}"
+            assert losses and summary["num_reissued_after_queue_loss"] > 0, "the lost queue was noticed and refilled"
     finally:
         valkey.terminate()
