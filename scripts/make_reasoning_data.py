@@ -13,13 +13,18 @@ A solution reads "Buy 4: 3 + 4 = 7. Give 2: 7 - 2 = 5. \\boxed{5}" (about 45 cha
 tokens: the tiny model's tokenizer is one token a byte). Deterministic: the same files every run,
 so they are committed.
 
+`--one-step` writes examples/data/reasoning_one_step instead (examples/smollm2_grpo.yaml, the real
+model's demo): one change to a count of 3-20, half gains ("gets 12 more") and half losses ("gives
+away 5"), one line of working. SmolLM2-135M-Instruct answers about a fifth of them greedily as
+shipped (two-step problems: under a tenth), so GRPO has groups with mixed rewards to learn from.
+
 `--long` writes examples/data/reasoning_long instead (examples/reasoning_long_grpo.yaml, the
 long-generation benchmark's task): one running count through a long-tailed number of steps
 (`long_steps`: half the problems 3-5 steps, one in ten over 20, capped at 45), so worked answers run
 from ~60 to ~1,000 tokens. Each step's label repeats the question's phrase ("sells 3: 12 - 3 = 9.")
 and the count stays within 0-20, so a longer answer is the same skill repeated, not a harder one.
 
-    python scripts/make_reasoning_data.py [--long] [--output DIR] [--num-train N] [--num-test N] [--seed S]
+    python scripts/make_reasoning_data.py [--one-step | --long] [--output DIR] [--num-train N] [--num-test N] [--seed S]
 """
 
 from __future__ import annotations
@@ -96,8 +101,9 @@ def row(problem: Problem) -> dict[str, str]:
             "rejected": " ".join([*lines[:-1], f"\\boxed{{{early}}}"])}
 
 
-def rows_of(draw: Callable[[random.Random], Problem]) -> Callable[[int, random.Random, set[str]], list[dict[str, str]]]:
-    """A row maker drawing problems with `draw`."""
+def rows_of(draw: Callable[[random.Random], Problem],
+            to_row: Callable[[Problem], dict[str, str]] = row) -> Callable[[int, random.Random, set[str]], list[dict[str, str]]]:
+    """A row maker drawing problems with `draw`, written by `to_row`."""
 
     def make(num: int, rng: random.Random, seen: set[str]) -> list[dict[str, str]]:
         rows = []
@@ -106,13 +112,37 @@ def rows_of(draw: Callable[[random.Random], Problem]) -> Callable[[int, random.R
             if problem[0] in seen:  # train and test never share a question
                 continue
             seen.add(problem[0])
-            rows.append(row(problem))
+            rows.append(to_row(problem))
         return rows
 
     return make
 
 
 make_rows = rows_of(lambda rng: rng.choice(KINDS)(rng))
+
+
+def one_change(rng: random.Random) -> Problem:
+    (name, he), item = rng.choice(NAMES), rng.choice(ITEMS)
+    a = rng.randint(3, 20)
+    if rng.random() < 0.5:
+        verb, b = rng.choice(["gets", "buys", "finds"]), rng.randint(2, 15)
+        return (f"{name} has {a} {item}. {he} {verb} {b} more {item}. How many {item} does {he.lower()} have now?",
+                [(f"{verb.capitalize()} {b}", a, "+", b)])
+    verb, b = rng.choice(["gives away", "loses", "sells"]), rng.randint(1, a - 1)
+    return (f"{name} has {a} {item}. {he} {verb} {b} {item}. How many {item} does {he.lower()} have now?",
+            [(f"{verb.capitalize()} {b}", a, "-", b)])
+
+
+def one_step_row(problem: Problem) -> dict[str, str]:
+    """As `row`, for one step: the `rejected` solution applies the other operation."""
+    question, [(label, left, op, right)] = problem
+    answer = OPS[op](left, right)
+    other = "-" if op == "+" else "+"
+    wrong = OPS[other](left, right)
+    line = f"{label}: {left} {op} {right} = {answer}."
+    return {"question": question, "answer": f"{line}\n#### {answer}", "final": str(answer),
+            "solution": f"{line} \\boxed{{{answer}}}",
+            "rejected": f"{label}: {left} {other} {right} = {wrong}. \\boxed{{{wrong}}}"}
 
 
 GAINS, LOSSES = ["buys", "finds", "gets"], ["sells", "loses", "gives"]
@@ -140,14 +170,19 @@ def running_count(rng: random.Random) -> Problem:
 
 
 make_long_rows = rows_of(running_count)
+make_one_step_rows = rows_of(one_change, one_step_row)
 
 
 def main() -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--long", action="store_true")
+    pre.add_argument("--one-step", action="store_true")
     args, sys.argv[1:] = pre.parse_known_args()
-    if args.long:
-        generate(__doc__.split("\n\n")[3], make_long_rows, default_output="examples/data/reasoning_long",
+    if args.one_step:
+        generate(__doc__.split("\n\n")[3], make_one_step_rows, default_output="examples/data/reasoning_one_step",
+                 num_train=1000, num_test=64)
+    elif args.long:
+        generate(__doc__.split("\n\n")[4], make_long_rows, default_output="examples/data/reasoning_long",
                  num_train=600, jsonl=False)
     else:
         generate(__doc__.split("\n\n")[0], make_rows, default_output="examples/data/reasoning", num_train=2000,

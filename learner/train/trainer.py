@@ -6,6 +6,7 @@ ranks sit in `follow`, running what rank 0 announces, until `stop`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from rlmesh.services.weights.wire import TensorMeta
 
 log = logging.getLogger(__name__)
+_FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 class Trainer:
@@ -40,6 +42,10 @@ class Trainer:
         self.backend = build_backend(config.learner, model_path, seed=config.run.seed, lr=lr)
         self.objective: Objective = objective if objective is not None else GRPOObjective.from_config(config)
         self.channel = CommandChannel()
+        # The broadcast carries the bytes of the dtype the rollout tier serves: a bf16 vLLM gets bf16
+        # (half of fp32's bytes), never fp32 it would cast on load.
+        served = config.rollout.dtype
+        self.wire_dtype: torch.dtype | None = getattr(torch, served) if served in ("bfloat16", "float16") else None
 
     # --- rank 0: announce, then run the same collective here --------------------------------------
 
@@ -48,11 +54,17 @@ class Trainer:
         return self._step(seqs, lr)
 
     def weight_metas(self) -> list[TensorMeta]:
-        return self.backend.weight_metas()
+        metas = self.backend.weight_metas()
+        if self.wire_dtype is None:
+            return metas
+        wire = str(self.wire_dtype).removeprefix("torch.")
+        return [dataclasses.replace(m, dtype=wire) if m.dtype in _FLOATS else m for m in metas]
 
     def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.channel.announce("weights")
-        yield from self.backend.full_weights()
+        for name, tensor in self.backend.full_weights():
+            cast = self.wire_dtype is not None and tensor.is_floating_point()
+            yield name, tensor.to(self.wire_dtype) if cast else tensor
 
     def save(self, path: Path) -> None:
         self.channel.announce("save", str(path))
