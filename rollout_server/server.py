@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 
 import grpc
@@ -196,7 +197,17 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     log.info("stopped serving; shutting the engine down")
     t0 = time.monotonic()
     generator.shutdown()
-    log.info("engine shut down in %.1fs", time.monotonic() - t0)
+    log.info("engine shut down in %.1fs; exiting", time.monotonic() - t0)
+    # Everything the process owes is done (deregistered, calls drained, engine down). What is left
+    # (the event loop's executor, threads vLLM's front-end started) once held the exit past `rlmesh
+    # up`'s 10 s grace, after which it was SIGKILLed: exit now.
+    from opentelemetry import trace
+
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):  # the SDK's: export the spans still queued
+        provider.shutdown()
+    logging.shutdown()
+    os._exit(0)
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:

@@ -208,10 +208,12 @@ def test_the_tool_use_demo_learns_under_mutual_tls_and_strangers_are_refused(tmp
     env = {k: v for k, v in os.environ.items() if k not in SECRETS}
     out_path = tmp_path / "up.out"
     proc = subprocess.Popen(
-        # 250 SFT steps instead of the example's 600: its loss is flat from ~200 (0.05), and 10 RL
-        # steps still took held-out accuracy from 0.20 to 0.975 (CI time).
+        # 400 SFT steps instead of the example's 600 (CI time). With 250 the warm start's loss was as
+        # flat (0.05) but what RL made of it varied: held-out 0.20 -> 0.975 and 0.10 -> 0.925 in two
+        # runs, 0.025 -> 0.15 in a third (tool calls 0.13 -> 1.0: it learned to call, not yet to
+        # answer from the result).
         [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", "examples/tool_use_grpo.yaml",
-         "--run-dir", str(run_dir), "logging.progress=false", "sft.num_steps=250", "learner.num_steps=10",
+         "--run-dir", str(run_dir), "logging.progress=false", "sft.num_steps=400", "learner.num_steps=10",
          "learner.eval_every=0",
          f"network.tls.cert_file={good}/{{tier}}.crt", f"network.tls.key_file={good}/{{tier}}.key",
          f"network.tls.ca_file={good}/ca.crt"],
@@ -265,7 +267,7 @@ def test_the_tool_use_demo_learns_under_mutual_tls_and_strangers_are_refused(tmp
     assert (before["version"], after["version"]) == (0, 10)
     assert before["accuracy_source"] == after["accuracy_source"] == "env_correct"
     assert after["accuracy"] >= before["accuracy"] + 0.2, "the model learned to use the tool"
-    assert after["num_tool_calls_mean"] > before["num_tool_calls_mean"]
+    assert after["num_tool_calls_mean"] >= 0.9 > before["num_tool_calls_mean"], "it calls the tool"
     # Every episode ran to its end through the environment server: no environment errors or timeouts,
     # and the tool episodes took two model turns (call, then answer).
     assert before["num_errors"] == after["num_errors"] == 0
