@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 STACK = REPO / "deploy/docker/stack.sh"
 PROJECT = "rlmesh-test"
-NUM_STEPS, GROUPS_PER_STEP = 30, 32
+NUM_STEPS, GROUPS_PER_STEP = 24, 32
 DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
 
 

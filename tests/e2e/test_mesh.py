@@ -163,19 +163,19 @@ def test_two_on_policy_rollout_servers_share_the_work_and_the_broadcast(tmp_path
     so vLLM's behaviour logprobs equal the learner's recomputed ones up to float error."""
     run_dir = tmp_path / "run"
     # A claim timeout far shorter than a generation round: live servers must keep their claims fresh.
-    up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=10",
+    up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=8",
             "learner.eval_every=0", "sft.num_steps=50", "queue.claim_idle_ms=1500", "rollout.max_tokens=24",
             "algorithm.max_staleness=0")
     assert up.finish(timeout=500) == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in train if r["kind"] == "train"]
-    assert [r["version"] for r in train] == list(range(1, 11))
+    assert [r["version"] for r in train] == list(range(1, 9))
     assert all(r["num_generators"] == 2 for r in train), "every broadcast reached both servers"
     producers = {gid for r in train for gid in r["groups_by_generator"]}
     assert producers == {"rollout-0", "rollout-1"}, f"both servers generated trained groups: {producers}"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["weights_verified_versions"] >= 10 and summary["max_staleness_seen"] == 0
+    assert summary["weights_verified_versions"] >= 8 and summary["max_staleness_seen"] == 0
     for i in (0, 1):
         log = (run_dir / "logs" / f"rollout-{i}.log").read_text()
         assert "left pending by a dead rollout server" not in log, f"rollout-{i} claimed a live server's work"
