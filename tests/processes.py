@@ -66,10 +66,22 @@ def describe(proc: psutil.Process) -> str:
         return f"{proc.pid} (exited)"
 
 
+def _with_descendants(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """`procs` and everything below them: a process may scrub its own environment (valkey-server
+    rewrites it with its process title), so the id is not seen on it, but it is still a child."""
+    seen = {p.pid: p for p in procs}
+    for proc in procs:
+        try:
+            seen.update((c.pid, c) for c in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return list(seen.values())
+
+
 def reap(key: str, value: str, since: float, grace_s: float = 5.0, spare=lambda proc: False) -> list[str]:
     """Stop every live process whose environment has `key=value`, but those `spare` keeps (SIGTERM,
     then SIGKILL after `grace_s`); returns what was found running, described."""
-    procs = _carrying(key, value, since, spare)
+    procs = _with_descendants(_carrying(key, value, since, spare))
     if not procs:
         return []
     found = [describe(p) for p in procs]
