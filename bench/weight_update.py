@@ -99,7 +99,7 @@ def engine_reload(model_dir: Path, rounds: int) -> list[float]:
 def raw_broadcaster(named, rounds: int, tmp: Path):
     """A plain gloo broadcast to a second process, ready to send `rounds` times: (send, close)."""
     from rlmesh.services.config import WeightSyncSection
-    from rlmesh.services.weights.base import build_sender
+    from rlmesh.services.weights import build_sender
     from rlmesh.services.weights.wire import describe, flat_buckets
 
     transport = build_sender(WeightSyncSection(timeout_s=300))
@@ -142,7 +142,7 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
     from bench.harness import rollout_harness
     from rlmesh.learner.broadcast import WeightBroadcaster
     from rlmesh.services.config import WeightSyncSection
-    from rlmesh.services.weights.base import build_sender
+    from rlmesh.services.weights import build_sender
 
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)

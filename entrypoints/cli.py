@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return rollout_main(config, args)
     if args.command == "learner":
-        from rlmesh.learner.controller import main as learner_main
+        from rlmesh.learner.builder import main as learner_main
 
         return learner_main(config, args)
     if args.command == "sft":

@@ -99,7 +99,7 @@ async def _evaluate(config: RunConfig, port: int, timeout_s: float) -> dict:
         _, eval_set = load_dataset(config.data, config.run.seed)
         issuer = PromptIssuer(prompts, run_id, [], group_size=1, groups_per_step=1, max_staleness=0)
         records = _Records()
-        evaluator = Evaluator(eval_set, issuer, trajectories, _Reader(trajectories), records,
+        evaluator = Evaluator(eval_set, issuer, trajectories, records,
                               check=lambda group, version: "", timeout_s=timeout_s,
                               pass_k=config.learner.eval_pass_k, num_samples=config.learner.eval_num_samples)
         t0 = time.monotonic()
@@ -107,7 +107,7 @@ async def _evaluate(config: RunConfig, port: int, timeout_s: float) -> dict:
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"no rollout server registered within {timeout_s:.0f}s; see logs/rollout-0.log")
             await asyncio.sleep(0.5)
-        return await evaluator.run(0, [])
+        return await evaluator.run(0, [], _Reader(trajectories).read)
     finally:
         await server.stop(1.0)
 

@@ -213,6 +213,13 @@ class WeightBroadcaster:
                 log.warning("weight broadcast v%d failed (%s); rebuilding the group and retrying", version, err)
         raise AssertionError("unreachable")
 
+    async def catch_up(self, version: int, source: WeightSource) -> None:
+        """Bring generators that hold other weights (late joiners, survivors of a learner restart)
+        to `version` now, rather than after the next step: they serve nothing until then."""
+        await self.settled()  # an update still completing leaves every generator looking behind
+        if self.membership.out_of_date(version):
+            await self.broadcast(version, source)
+
     async def settled(self) -> dict[str, float]:
         """Wait until the last update has completed on every generator (raises what it raised: a
         digest mismatch); its metrics, {} when there was nothing to wait for."""

@@ -1,17 +1,23 @@
-"""Builds the RL learner from the run config: the queues, the trainer (on the one torch thread),
-the weight broadcaster, issuer, admission, trajectory reader, evaluator and metrics writers, handed
-to the `Controller`, which only drives them; then the control-plane server, and resume from the
-newest checkpoint. The one place where the learner service's parts meet."""
+"""`rlmesh learner`: builds the RL learner from the run config — the queues, the trainer (on the
+one torch thread), the weight broadcaster, issuer, admission, trajectory reader, evaluator and
+metrics writers, handed to the `Controller`, which only drives them; then the control-plane server,
+and resume from the newest checkpoint — runs it, and closes it. The one place where the learner
+service's parts meet. Ranks other than 0 only build the trainer and follow rank 0's commands."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import logging
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import uvloop
 
 from rlmesh.learner.admission import Admission
 from rlmesh.learner.controller import Components, Controller, require_model_path
@@ -25,6 +31,7 @@ from rlmesh.v1 import learner_pb2, learner_pb2_grpc
 from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, load_token
 from rlmesh.services.grpc_server import ServerLimits, start_server
 from rlmesh.services.queue import connect_queue, run_streams
+from rlmesh.services.telemetry import setup_logging
 
 if TYPE_CHECKING:
     from rlmesh.learner.broadcast import TorchRunner
@@ -59,7 +66,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     from rlmesh.learner.metrics import MetricsWriter
     from rlmesh.learner.train.trainer import Trainer
     from rlmesh.services.weights.announce import UpdateAnnouncer
-    from rlmesh.services.weights.base import build_sender
+    from rlmesh.services.weights import build_sender
 
     cfg = config
     model_path = require_model_path(cfg)
@@ -92,8 +99,8 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
                           on_returned=issuer.returned, issued=issuer.issued, bounds=bounds(cfg, model_path),
                           issued_before_restart=issuer.issued_before_restart)
     reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
-                              membership=membership, broadcaster=broadcaster, weights=weights, metrics=metrics)
-    evaluator = Evaluator(eval_set, issuer, trajectories, reader, metrics, check=admission.check,
+                              membership=membership, metrics=metrics)
+    evaluator = Evaluator(eval_set, issuer, trajectories, metrics, check=admission.check,
                           pass_k=cfg.learner.eval_pass_k, num_samples=cfg.learner.eval_num_samples)
     controller = Controller(cfg, run_dir, Components(
         run_id=run_id, run_torch=run_torch, prompts=prompts, trajectories=trajectories, trainer=trainer,
@@ -146,3 +153,46 @@ def note_run_id(run_dir: Path, run_id: str) -> set[str]:
     with path.open("a") as f:
         f.write(run_id + "\n")
     return earlier
+
+
+async def run(config: RunConfig, args: argparse.Namespace) -> None:
+    run_dir = Path(args.run_dir)
+    setup_logging("learner", config.logging.level, fmt=config.logging.format,
+                  trace_file=config.logging.trace_file,
+                  sample_ratio=config.logging.trace_sample_ratio, run_dir=run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = args.port if args.port is not None else int(config.network.learner_address.rsplit(":", 1)[1])
+    controller, server = await build_controller(config, run_dir, port)
+    try:
+        summary = await controller.train()
+        from rlmesh.learner.metrics import plot_reward_curve
+
+        if (png := plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")) is not None:
+            controller.metrics.log_image("reward_curve", png, controller.version)
+        log.info("done: %s", json.dumps(summary))
+    finally:
+        await controller._torch(controller.trainer.stop)
+        controller.metrics.close()
+        controller.trained_log.close()
+        controller.dropped_log.close()
+        await server.stop(2.0)
+
+
+def follow(config: RunConfig) -> None:
+    """A training rank other than 0: build the same model, then run rank 0's commands."""
+    from transformers import AutoTokenizer
+
+    from rlmesh.learner.train.trainer import Trainer
+
+    setup_logging(f"learner-rank{os.environ.get('RANK')}", config.logging.level, fmt=config.logging.format)
+    path = require_model_path(config)
+    Trainer(config, path, pad_id=AutoTokenizer.from_pretrained(path).pad_token_id).follow()
+
+
+def main(config: RunConfig, args: argparse.Namespace) -> int:
+    require_model_path(config)
+    if int(os.environ.get("RANK", "0")) != 0:
+        follow(config)
+    else:
+        uvloop.run(run(config, args))
+    return 0

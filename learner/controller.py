@@ -1,38 +1,34 @@
-"""`rlmesh learner`: the controller. Owns resume and the main loop on rank 0 — issue prompt groups
+"""The learner's controller. Owns resume and the main loop on rank 0 — issue prompt groups
 within the staleness bound, admit trajectory groups, train, broadcast weights, evaluate,
-checkpoint, ack — driving components it is given (`rlmesh.learner.builder` builds and wires them;
-none of them imports this module). Other ranks only follow rank 0's training commands
-(`rlmesh.learner.train.trainer`)."""
+checkpoint, ack — driving components it is given (`rlmesh.learner.builder` builds and wires them,
+and runs the `rlmesh learner` process; none of them imports this module). Other ranks only follow
+rank 0's training commands (`rlmesh.learner.train.trainer`)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import uvloop
-
 from rlmesh.learner.admission import Admission, staleness
-from rlmesh.learner.evaluator import Arrivals, Evaluator, episode_stats
+from rlmesh.learner.evaluator import Evaluator, episode_stats
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.membership import Membership
 from rlmesh.learner.stop import stop_requested, wait_until_seen
 from rlmesh.learner.train.schedule import learning_rate
 from rlmesh.v1 import learner_pb2
 from rlmesh.services.config import HFModelSection, RunConfig
-from rlmesh.services.telemetry import record_span, setup_logging
+from rlmesh.services.telemetry import record_span
 
 if TYPE_CHECKING:
     from rlmesh.learner.broadcast import TorchRunner, WeightBroadcaster, WeightSource
     from rlmesh.learner.metrics import MetricsWriter
-    from rlmesh.learner.reader import TrajectoryReader
+    from rlmesh.learner.reader import Arrivals, TrajectoryReader
     from rlmesh.learner.train.trainer import Trainer
     from rlmesh.services.queue import StreamQueue
 
@@ -146,7 +142,7 @@ class Controller:
     async def evaluate(self) -> dict:
         """Evaluate the current version and wait for it (and for rounds still open)."""
         await self._issued()
-        return await self.evaluator.run(self.version, self.held_back)
+        return await self.evaluator.run(self.version, self.held_back, self._read)
 
     # --- main loop -------------------------------------------------------------------------------
 
@@ -180,7 +176,13 @@ class Controller:
                          len(self.membership.generators), time.monotonic() - t0)
                 last = time.monotonic()
             await asyncio.sleep(0.5)
-        await self.reader.catch_up(self.version)
+        await self.broadcaster.catch_up(self.version, self.weights)
+
+    async def _read(self, version: int) -> Arrivals:
+        """What arrived (`TrajectoryReader.read`), once generators that hold other weights are
+        brought to `version` (they serve nothing until then)."""
+        await self.broadcaster.catch_up(version, self.weights)
+        return await self.reader.read(version)
 
     async def _fill(self, ready: Arrivals) -> Arrivals:
         """Admit arrivals until a step's worth of groups is ready, issuing prompts as room frees.
@@ -197,7 +199,7 @@ class Controller:
             await self._issued()
             await self._reissue_malformed()
             await self.issuer.issue_train(len(ready), self.version)
-            arrivals = await self.reader.read(self.version)
+            arrivals = await self._read(self.version)
 
     async def _reissue_malformed(self) -> None:
         """Issue again, under a fresh id, each train group whose copies all came back malformed for
@@ -333,48 +335,3 @@ class Controller:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-
-
-async def run(config: RunConfig, args: argparse.Namespace) -> None:
-    from rlmesh.learner.builder import build_controller
-
-    run_dir = Path(args.run_dir)
-    setup_logging("learner", config.logging.level, fmt=config.logging.format,
-                  trace_file=config.logging.trace_file,
-                  sample_ratio=config.logging.trace_sample_ratio, run_dir=run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    port = args.port if args.port is not None else int(config.network.learner_address.rsplit(":", 1)[1])
-    controller, server = await build_controller(config, run_dir, port)
-    try:
-        summary = await controller.train()
-        from rlmesh.learner.metrics import plot_reward_curve
-
-        if (png := plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")) is not None:
-            controller.metrics.log_image("reward_curve", png, controller.version)
-        log.info("done: %s", json.dumps(summary))
-    finally:
-        await controller._torch(controller.trainer.stop)
-        controller.metrics.close()
-        controller.trained_log.close()
-        controller.dropped_log.close()
-        await server.stop(2.0)
-
-
-def follow(config: RunConfig) -> None:
-    """A training rank other than 0: build the same model, then run rank 0's commands."""
-    from transformers import AutoTokenizer
-
-    from rlmesh.learner.train.trainer import Trainer
-
-    setup_logging(f"learner-rank{os.environ.get('RANK')}", config.logging.level, fmt=config.logging.format)
-    path = require_model_path(config)
-    Trainer(config, path, pad_id=AutoTokenizer.from_pretrained(path).pad_token_id).follow()
-
-
-def main(config: RunConfig, args: argparse.Namespace) -> int:
-    require_model_path(config)
-    if int(os.environ.get("RANK", "0")) != 0:
-        follow(config)
-    else:
-        uvloop.run(run(config, args))
-    return 0

@@ -8,26 +8,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlmesh.domain.pass_at_k import mean_pass_at_k
-from rlmesh.learner.data import Example
+from rlmesh.learner.examples import Example
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import Entry, StreamQueue
 
 if TYPE_CHECKING:
     from rlmesh.learner.metrics import MetricsWriter
-    from rlmesh.learner.reader import TrajectoryReader
+    from rlmesh.learner.reader import Arrivals
 
 log = logging.getLogger(__name__)
 
 CORRECT = "correct"
-
-Arrivals = list[tuple[Entry, common_pb2.TrajectoryGroup]]
-
 
 CUT_OFF = "max_turns"  # the finish reason of an episode stopped by the rollout tier's turn budget
 
@@ -84,17 +81,17 @@ class Round:
 class Evaluator:
     """Rounds are started (`start`) and completed by the eval groups offered back to them (`offer`),
     so a round can finish while the learner trains (the controller offers what it reads); `run` is
-    the blocking form, which reads through the learner's `TrajectoryReader` and also finishes every
-    round still open. A finished round's record goes to `metrics`."""
+    the blocking form, which reads with the `read` its caller gives (the controller's) and also
+    finishes every round still open. A finished round's record goes to `metrics`."""
 
     def __init__(self, eval_set: list[Example], issuer: PromptIssuer, trajectories: StreamQueue,
-                 reader: TrajectoryReader, metrics: MetricsWriter, *,
+                 metrics: MetricsWriter, *,
                  check: Callable[[common_pb2.TrajectoryGroup, int], str], timeout_s: float = 600.0,
                  pass_k: list[int] | None = None, num_samples: int | None = None) -> None:
         """`check(group, version)` says why an eval group of an open round is malformed (or ""),
         with the learner at `version`: such a group counts in its round as a failed answer."""
         self.eval_set, self.issuer, self.trajectories = eval_set, issuer, trajectories
-        self.reader, self.metrics = reader, metrics
+        self.metrics = metrics
         self.check = check
         self.first: dict | None = None  # the run's first record (kept in checkpoints across restarts)
         self.timeout_s = timeout_s
@@ -140,12 +137,12 @@ class Evaluator:
             rnd.envs.append(group.prompt.env_name)
         return self._finish(rnd) if len(rnd.results) + len(rnd.sampled) == rnd.size else None
 
-    async def run(self, version: int, held_back: Arrivals) -> dict:
-        """Evaluate at `version` and wait for it (and any round still open); train groups that
-        arrive meanwhile are appended to `held_back`."""
+    async def run(self, version: int, held_back: Arrivals, read: Callable[[int], Awaitable[Arrivals]]) -> dict:
+        """Evaluate at `version` and wait for it (and any round still open), reading arrivals with
+        `read(version)`; train groups that arrive meanwhile are appended to `held_back`."""
         rnd = await self.start(version)
         while self.rounds:
-            for entry, group in await self.reader.read(version):
+            for entry, group in await read(version):
                 if group.prompt.split == "train":
                     held_back.append((entry, group))
                 else:

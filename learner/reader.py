@@ -1,7 +1,8 @@
 """The trajectory stream as the learner reads it, for training and evaluation alike: each read
-first brings out-of-date generators to the learner's weights (they serve nothing until then),
 checks that the queue server still holds this run's data (re-issuing every outstanding prompt
 group if it lost it), decodes what arrived and says so in the log when nothing has for a while.
+(Bringing out-of-date generators to the learner's weights before a read is the controller's call,
+`WeightBroadcaster.catch_up`.)
 While a training step runs, `admit_during` reads and admits what arrives, so that decoding and
 validating a step's worth of groups is not on the step's critical path."""
 
@@ -14,18 +15,20 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
-from rlmesh.learner.evaluator import Arrivals
+from rlmesh.services.queue import Entry
 from rlmesh.v1 import common_pb2
 
 if TYPE_CHECKING:
     from rlmesh.learner.admission import Admission
-    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.learner.membership import Membership
     from rlmesh.learner.metrics import MetricsWriter
     from rlmesh.services.queue import StreamQueue
 
 log = logging.getLogger(__name__)
+
+# What a read brings: each trajectory-stream entry with its decoded group.
+Arrivals = list[tuple[Entry, common_pb2.TrajectoryGroup]]
 
 CONSUMER = "learner"  # the learner's consumer name in the trajectory stream's consumer group
 DURING_STEP_BLOCK_MS = 20
@@ -42,24 +45,14 @@ async def mark_queues(prompts: StreamQueue, trajectories: StreamQueue, run_id: s
 
 class TrajectoryReader:
     def __init__(self, prompts: StreamQueue, trajectories: StreamQueue, *, run_id: str, issuer: PromptIssuer,
-                 admission: Admission, membership: Membership, broadcaster: WeightBroadcaster,
-                 weights: WeightSource, metrics: MetricsWriter) -> None:
+                 admission: Admission, membership: Membership, metrics: MetricsWriter) -> None:
         self.prompts, self.trajectories, self.run_id = prompts, trajectories, run_id
-        self.issuer, self.admission, self.metrics = issuer, admission, metrics
-        self.membership, self.broadcaster, self.weights = membership, broadcaster, weights
+        self.issuer, self.admission, self.membership, self.metrics = issuer, admission, membership, metrics
         self._group_recreations = 0
         self._last_queue_check = self._last_arrival = self._last_wait_log = time.monotonic()
 
-    async def catch_up(self, version: int) -> None:
-        """Bring generators that hold other weights (late joiners, survivors of a learner restart)
-        to `version` now, rather than after the next step: they serve nothing until then."""
-        await self.broadcaster.settled()  # an update still completing leaves every generator looking behind
-        if self.membership.out_of_date(version):
-            await self.broadcaster.broadcast(version, self.weights)
-
     async def read(self, version: int) -> Arrivals:
         """What arrived within half a second (possibly nothing), with the learner at `version`."""
-        await self.catch_up(version)
         if time.monotonic() - self._last_queue_check > 1.0:
             self._last_queue_check = time.monotonic()
             await self._check_queue(version)

@@ -31,7 +31,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlmesh.services.config import RewardSection
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +44,18 @@ _BASE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "HOME")
 
 @dataclass(frozen=True)
 class WorkerLimits:
-    """How reward-function workers run (the `reward.function_*` keys)."""
+    """How reward-function workers run: the `reward.function_*` keys and `reward.env_timeout_s`
+    (`from_config`; their defaults are the config's)."""
 
-    num_workers: int = 2
-    memory_mb: int = 4096
-    cpu_s: float = 60.0
-    timeout_s: float = 30.0
-    env: tuple[str, ...] = ()
+    num_workers: int
+    memory_mb: int
+    cpu_s: float
+    timeout_s: float
+    env: tuple[str, ...]
     start_timeout_s: float = 60.0
 
     @classmethod
-    def from_config(cls, section: Any) -> WorkerLimits:
+    def from_config(cls, section: RewardSection) -> WorkerLimits:
         return cls(num_workers=section.function_workers, memory_mb=section.function_memory_mb,
                    cpu_s=section.function_cpu_s, timeout_s=section.env_timeout_s, env=tuple(section.function_env))
 
@@ -262,8 +266,7 @@ def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
 
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    from rlmesh.reward_server.environments.base import is_multi_turn
-    from rlmesh.reward_server.environments.function import load_callable
+    from rlmesh.reward_server.environments.base import is_multi_turn, load_callable
 
     try:
         fn = load_callable(path)

@@ -20,11 +20,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_score_items: int = 4096
-    max_text_chars: int = 262144
-    max_metadata_bytes: int = 65536
-    max_sessions: int = 8192
-    max_sessions_per_client: int = 2048
+    """The `reward.max_*` keys (`from_config`; their defaults are the config's)."""
+
+    max_score_items: int
+    max_text_chars: int
+    max_metadata_bytes: int
+    max_sessions: int
+    max_sessions_per_client: int
 
     @classmethod
     def from_config(cls, section: RewardSection) -> RequestLimits:

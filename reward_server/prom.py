@@ -3,13 +3,11 @@ reset, step, close) by environment, method and outcome, its latency, and the ope
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sized
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-
-if TYPE_CHECKING:
-    from rlmesh.reward_server.service import RewardService
 
 ENV_CALLS = Counter("rlmesh_reward_env_calls_total", "Environment calls by environment, method and outcome "
                     "(ok, error, timeout)", ["env", "method", "outcome"])
@@ -19,13 +17,14 @@ ENV_SECONDS = Histogram("rlmesh_reward_env_call_seconds", "Latency of an environ
 
 
 class SessionCollector:
-    def __init__(self, service: RewardService) -> None:
-        self.service = service
+    def __init__(self, sessions: Sized) -> None:
+        self.sessions = sessions
 
     def collect(self) -> Any:
         yield GaugeMetricFamily("rlmesh_reward_open_sessions", "Multi-turn sessions open on this server",
-                                value=len(self.service.sessions))
+                                value=len(self.sessions))
 
 
-def register(service: RewardService) -> None:
-    REGISTRY.register(SessionCollector(service))
+def register(sessions: Sized) -> None:
+    """Report the size of `sessions` (the service's session table) as the open-sessions gauge."""
+    REGISTRY.register(SessionCollector(sessions))

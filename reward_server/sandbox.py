@@ -49,6 +49,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this module runs on the standard library alone (tests run it as a lone file)
+    from rlmesh.services.config import CodeEnvironmentSection
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +65,23 @@ _SYSTEM_BINDS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    cpu_s: int = 5
-    wall_s: float = 10.0
-    memory_mb: int = 1024
-    max_processes: int = 16
-    file_size_mb: int = 16
-    work_mb: int = 64
-    test_timeout_s: float = 5.0
-    max_output_bytes: int = 65536
+    """A code environment's `reward.code.<name>.*` limits (`from_config`; their defaults are the config's)."""
+
+    cpu_s: int
+    wall_s: float
+    memory_mb: int
+    max_processes: int
+    file_size_mb: int
+    work_mb: int
+    test_timeout_s: float
+    max_output_bytes: int
+
+    @classmethod
+    def from_config(cls, section: CodeEnvironmentSection) -> SandboxLimits:
+        return cls(cpu_s=section.cpu_s, wall_s=section.wall_s, memory_mb=section.memory_mb,
+                   max_processes=section.max_processes, file_size_mb=section.file_size_mb,
+                   work_mb=section.work_mb, test_timeout_s=section.test_timeout_s,
+                   max_output_bytes=section.max_output_bytes)
 
     def describe(self) -> str:
         return (f"cpu {self.cpu_s}s/process, wall {self.wall_s}s/run, address space {self.memory_mb} MiB/process, "

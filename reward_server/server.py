@@ -54,8 +54,8 @@ async def serve(config: RunConfig, port: int) -> None:
                                                    score=mcp.score, max_turns=mcp.max_turns,
                                                    call_timeout_s=mcp.call_timeout_s))
     for name, code in _local(section.code, section.remote):
-        limits = SandboxLimits(**code.model_dump(exclude={"tests_key", "python"}))
-        sandbox = Sandbox(limits, python=code.python, max_concurrency=section.env_max_concurrency)
+        sandbox = Sandbox(SandboxLimits.from_config(code), python=code.python,
+                          max_concurrency=section.env_max_concurrency)
         service.add_local(name, CodeEnvironment(name, sandbox, tests_key=code.tests_key))
     for name, judge in _local(section.judge, section.remote):
         service.add_local(name, JudgeEnvironment(name, **judge.model_dump()))
@@ -73,7 +73,7 @@ async def serve(config: RunConfig, port: int) -> None:
     if serve_metrics(config, "reward", f"reward-{server.port}") is not None:
         from rlmesh.reward_server.prom import register
 
-        register(service)
+        register(service.sessions)
     reaper = asyncio.create_task(service.close_idle_forever(), name="idle-sessions")
     function_health = asyncio.create_task(report_function_health(service, server), name="function-health")
     log.info("reward server on port %d (replica %s); environments: %s", server.port, service.sessions.replica,

@@ -33,9 +33,9 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
-from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi_turn, nonfinite_error
+from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi_turn, load_callable, nonfinite_error
 from rlmesh.reward_server.environments.calculator import CalculatorEnvironment
-from rlmesh.reward_server.environments.function import FunctionEnvironment, load_callable
+from rlmesh.reward_server.environments.function import FunctionEnvironment
 from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
 from rlmesh.reward_server.environments.math import MathEnvironment
@@ -44,6 +44,7 @@ from rlmesh.reward_server.remote import RemoteEnvironment
 from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
 from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
 from rlmesh.services.auth import TLSFiles, peer_tier
+from rlmesh.services.config import RewardSection
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from rlmesh.domain.chat import as_dicts as to_messages
 
@@ -122,12 +123,13 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         self._runners: dict[str, EnvRunner] = {}
         for name in names:
             self.add_local(name, BUILTIN[name]())
-        function_limits = function_limits or WorkerLimits(timeout_s=env_timeout_s)
+        function_limits = function_limits or WorkerLimits.from_config(RewardSection(env_timeout_s=env_timeout_s))
         for name, path in (functions or {}).items():
             self.add_local(name, load_environment(name, path, function_limits))
         self.sessions = SessionTable(replica_id or uuid.uuid4().hex[:8], session_idle_timeout_s)
         self._token, self._remote_timeout_s, self._tls = token, remote_timeout_s, tls
-        self.allow_register, self.limits = allow_register, limits or RequestLimits()
+        self.allow_register = allow_register
+        self.limits = limits or RequestLimits.from_config(RewardSection())
         self._background: set[asyncio.Task] = set()
 
     def add_local(self, name: str, env: Any) -> None:

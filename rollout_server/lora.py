@@ -2,12 +2,13 @@
 and each weight update brings only the adapter's tensors, over the same gloo group and digest as a
 full update.
 
-A new adapter per version, not one overwritten in place: the worker's engine writes the received
-tensors to `<root>/v<version>/` (peft's adapter files) and the generator sends every *new* request
-with a fresh `LoRARequest` for that directory, while requests already running keep the adapter they
-started with. So each sample is produced by exactly one version's adapter and records it (no
-sample spans two versions), and nothing in vLLM's running batch changes under it; vLLM's own LRU
-drops adapters no request uses, and directories beyond the newest `KEEP_VERSIONS` are deleted."""
+A new adapter per version, not one overwritten in place: the worker's engine (`ADAPTER_ENGINE`, in
+`rlmesh.rollout_server.weight_engine`) writes the received tensors to `<root>/v<version>/` (peft's
+adapter files) and the generator sends every *new* request with a fresh `LoRARequest` for that
+directory, while requests already running keep the adapter they started with. So each sample is
+produced by exactly one version's adapter and records it (no sample spans two versions), and
+nothing in vLLM's running batch changes under it; vLLM's own LRU drops adapters no request uses,
+and directories beyond the newest `KEEP_VERSIONS` are deleted."""
 
 from __future__ import annotations
 
@@ -15,49 +16,19 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.rollout_server.weight_engine import GlooUpdateInfo, GlooWeightTransferEngine
-from rlmesh.services.weights.gloo import ENGINE
-from rlmesh.services.weights.lora import ADAPTER_WEIGHTS, served_config, write_adapter
+from rlmesh.rollout_server.weight_engine import ADAPTER_ENGINE, ROOT_ENV, version_dir
+from rlmesh.services.weights.lora import ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
-    import torch
-
     from rlmesh.services.config import LoRASection
 
 log = logging.getLogger(__name__)
 
-ADAPTER_ENGINE = f"{ENGINE}_lora"
-"""The vLLM weight-transfer engine that receives adapters (the gloo transport, written to disk)."""
-ROOT_ENV = "RLMESH_LORA_DIR"
-"""Where the worker writes version directories (set by the rollout server before vLLM starts its workers)."""
 KEEP_VERSIONS = 8
 """Adapter directories kept: a request paused across updates may still need its adapter loaded."""
-
-
-class AdapterWeightTransferEngine(GlooWeightTransferEngine):
-    """Receives the adapter like any update (same group, same digest) and writes it as a version
-    directory; the base model's weights are never touched, so no layerwise reload."""
-
-    reloads_model = False
-
-    def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
-        tensors = {name: t.clone() for name, t in named}
-        if self.parallel_config.rank != 0:
-            return  # one directory per server: tensor-parallel rank 0 writes it, every rank digests
-        bad = [n for n in tensors if ".lora_A." not in n and ".lora_B." not in n]
-        if bad:
-            raise ValueError(f"this rollout server serves a LoRA adapter (learner.lora.rank > 0) but the update "
-                             f"carries non-adapter tensors such as {bad[0]!r}; start the learner with the same "
-                             "learner.lora section")
-        write_adapter(version_dir(Path(os.environ[ROOT_ENV]), update_info.version), tensors, served_config(tensors))
-
-
-def version_dir(root: Path, version: int) -> Path:
-    return root / f"v{version}"
 
 
 class ServedAdapter:

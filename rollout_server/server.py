@@ -26,7 +26,7 @@ from rlmesh.services.prom import serve_metrics
 from rlmesh.services.queue import StreamQueue, connect_queue, run_streams
 from rlmesh.services.retry import Backoff, retry
 from rlmesh.services.telemetry import setup_logging
-from rlmesh.services.weights.base import build_receiver
+from rlmesh.services.weights import build_receiver
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 HEARTBEAT_S = 2.0  # until the learner's first heartbeat reply sets the interval (HeartbeatResponse.heartbeat_interval_s)

@@ -2,14 +2,18 @@
 loads it in place with vLLM's layerwise reload, keeping a digest of the bytes it received (in the
 algorithm the learner's UpdateWeights names: BLAKE3, or sha256 for an older learner). Registered
 under `rlmesh.services.weights.gloo.ENGINE` through the `vllm.general_plugins` entry point, so it
-exists in every process vLLM spawns. `WorkerDigests` is the worker extension through which the
-rollout server reads those digests back (and reports them to the learner over gRPC)."""
+exists in every process vLLM spawns; beside it `ADAPTER_ENGINE`, which receives a LoRA adapter the
+same way and writes it to disk (`rlmesh.rollout_server.lora` serves it). `WorkerDigests` is the
+worker extension through which the rollout server reads those digests back (and reports them to
+the learner over gRPC)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.base import (
@@ -19,11 +23,17 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlmesh.services.weights.gloo import ENGINE
+from rlmesh.services.weights.lora import served_config, write_adapter
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+ADAPTER_ENGINE = f"{ENGINE}_lora"
+"""The vLLM weight-transfer engine that receives adapters (the gloo transport, written to disk)."""
+ROOT_ENV = "RLMESH_LORA_DIR"
+"""Where the worker writes version directories (set by the rollout server before vLLM starts its workers)."""
 
 
 @dataclass
@@ -117,11 +127,33 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
         """Take the received stream in, to its end (the digest covers all of it): here into the model,
-        in place; `rlmesh.rollout_server.lora`'s engine writes an adapter instead."""
+        in place; `AdapterWeightTransferEngine` writes an adapter instead."""
         self.model.load_weights(named)
 
     def shutdown(self) -> None:
         self._group = None
+
+
+class AdapterWeightTransferEngine(GlooWeightTransferEngine):
+    """Receives the adapter like any update (same group, same digest) and writes it as a version
+    directory; the base model's weights are never touched, so no layerwise reload."""
+
+    reloads_model = False
+
+    def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
+        tensors = {name: t.clone() for name, t in named}
+        if self.parallel_config.rank != 0:
+            return  # one directory per server: tensor-parallel rank 0 writes it, every rank digests
+        bad = [n for n in tensors if ".lora_A." not in n and ".lora_B." not in n]
+        if bad:
+            raise ValueError(f"this rollout server serves a LoRA adapter (learner.lora.rank > 0) but the update "
+                             f"carries non-adapter tensors such as {bad[0]!r}; start the learner with the same "
+                             "learner.lora section")
+        write_adapter(version_dir(Path(os.environ[ROOT_ENV]), update_info.version), tensors, served_config(tensors))
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version}"
 
 
 class WorkerDigests:
@@ -152,7 +184,5 @@ def register() -> None:
 
     if ENGINE not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(ENGINE, GlooWeightTransferEngine)
-    from rlmesh.rollout_server.lora import ADAPTER_ENGINE, AdapterWeightTransferEngine
-
     if ADAPTER_ENGINE not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(ADAPTER_ENGINE, AdapterWeightTransferEngine)

@@ -5,7 +5,10 @@ starts without credentials.
 Identity: under mutual TLS a caller's tier is its certificate's common name (`learner`, `rollout`,
 `reward`; `rlmesh tls-init` writes such certificates). A server's `Policy` maps its methods to the
 tiers that may call them. With a token alone there is one identity, the mesh: the token
-authenticates, it does not tell tiers apart."""
+authenticates, it does not tell tiers apart.
+
+Every secret the config names by file or environment variable (this token, the queue password) is
+read by `read_secret`."""
 
 from __future__ import annotations
 
@@ -25,17 +28,22 @@ if TYPE_CHECKING:
 TIERS = ("learner", "rollout", "reward")
 
 
+def read_secret(key: str, path: str | None, env: str) -> str | None:
+    """A secret from the file `path` (preferred; `key` is the config key that names it, for errors),
+    else from the environment variable `env`; None when neither holds one."""
+    if path:
+        if not Path(path).is_file():
+            raise ValueError(f"{key}={path!r} does not exist; create it or unset it")
+        secret = Path(path).read_text().strip()
+        if not secret:
+            raise ValueError(f"{key}={path!r} is empty")
+        return secret
+    return os.environ.get(env) or None
+
+
 def load_token(token_file: str | None, token_env: str = "RLMESH_TOKEN") -> str | None:
     """The shared token from a secret file (preferred) or an environment variable; None = no auth."""
-    if token_file:
-        path = Path(token_file)
-        if not path.is_file():
-            raise ValueError(f"network.token_file={token_file!r} does not exist; create it or unset it")
-        token = path.read_text().strip()
-        if not token:
-            raise ValueError(f"network.token_file={token_file!r} is empty")
-        return token
-    return os.environ.get(token_env) or None
+    return read_secret("network.token_file", token_file, token_env)
 
 
 def token_matches(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlmesh.services.auth import read_secret
 from rlmesh.services.config import REDACTED
 from rlmesh.services.retry import Backoff, describe_error, retry
 
@@ -102,15 +102,8 @@ def connect(url: str, *, username: str | None = None, password: str | None = Non
 
 def queue_password(section: QueueSection, tier: str) -> str | None:
     """The queue password from queue.password_file (`{tier}` filled in), else queue.password_env."""
-    if section.password_file:
-        path = Path(section.password_file.replace("{tier}", tier))
-        if not path.is_file():
-            raise ValueError(f"queue.password_file={str(path)!r} does not exist; create it or unset it")
-        password = path.read_text().strip()
-        if not password:
-            raise ValueError(f"queue.password_file={str(path)!r} is empty")
-        return password
-    return os.environ.get(section.password_env) or None
+    path = str(Path(section.password_file.replace("{tier}", tier))) if section.password_file else None
+    return read_secret("queue.password_file", path, section.password_env)
 
 
 def connect_queue(section: QueueSection, tier: str) -> aioredis.Redis:

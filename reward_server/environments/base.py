@@ -5,6 +5,9 @@
   the session's state and the first observation, each step takes the model's assistant message and
   answers with new messages (user or tool role), a step reward, and whether the episode is done.
 
+User code named by import path (`module:attr`: a reward function, an environment class, a scoring
+or action function) is loaded with `load_callable`.
+
 Both are plain blocking Python. The reward server runs every call on a bounded pool of worker
 threads with a timeout, so an environment needs no locking or asyncio of its own; it must only be
 safe to call for different sessions from different threads at once.
@@ -12,8 +15,9 @@ safe to call for different sessions from different threads at once.
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -102,3 +106,18 @@ def nonfinite_error(reward: float, components: Mapping[str, float]) -> str:
         return f"reward is {reward}; rewards must be finite"
     bad = sorted(k for k, v in components.items() if not math.isfinite(v))
     return f"reward component(s) {', '.join(bad)} not finite; components must be finite" if bad else ""
+
+
+def load_callable(path: str) -> Callable[..., Any]:
+    """The object `module:attr` names, imported in this process."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward function {path!r}: cannot import {module_name!r} ({err})") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {path!r}: {module_name!r} has no callable {attr!r}")
+    return fn

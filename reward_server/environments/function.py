@@ -8,26 +8,9 @@ a clean environment (`rlmesh.reward_server.function_workers`); the server never 
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any
-
 from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
 from rlmesh.reward_server.function_workers import FunctionWorkerPool, WorkerLimits
-
-
-def load_callable(path: str) -> Callable[..., Any]:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward function {path!r}: cannot import {module_name!r} ({err})") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward function {path!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+from rlmesh.services.config import RewardSection
 
 
 class FunctionEnvironment:
@@ -36,7 +19,7 @@ class FunctionEnvironment:
     def __init__(self, name: str, path: str, limits: WorkerLimits | None = None) -> None:
         self.name = name
         self.description = f"user reward function {path}"
-        self.workers = FunctionWorkerPool(name, path, limits or WorkerLimits())
+        self.workers = FunctionWorkerPool(name, path, limits or WorkerLimits.from_config(RewardSection()))
 
     def score(self, items: list[ScoreInput], deadline: float | None = None) -> list[ScoreOutput]:
         """`deadline` (`time.monotonic()`): when the caller stops waiting; a worker still on an item

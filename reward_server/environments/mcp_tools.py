@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlmesh.domain.scoring import as_int, score_integer
-from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
-from rlmesh.reward_server.environments.function import load_callable
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, load_callable
 from rlmesh.reward_server.environments.loop_thread import LoopThread
 from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
 

@@ -22,8 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
-from rlmesh.reward_server.environments.function import load_callable
+from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, load_callable
 from rlmesh.reward_server.environments.loop_thread import LoopThread
 
 

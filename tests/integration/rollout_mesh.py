@@ -21,7 +21,7 @@ from rlmesh.learner.membership import LearnerService, Membership
 from rlmesh.services.config import WeightSyncSection
 from rlmesh.services.grpc_server import start_server
 from rlmesh.services.ports import free_port
-from rlmesh.services.weights.base import build_sender
+from rlmesh.services.weights import build_sender
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]

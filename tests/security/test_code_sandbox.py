@@ -18,6 +18,7 @@ import logging
 import socket
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from google.protobuf.struct_pb2 import Struct
 from rlmesh.reward_server.environments.code import CodeEnvironment, extract_program
 from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
 from rlmesh.reward_server.service import RewardService
+from rlmesh.services.config import CodeEnvironmentSection
 from rlmesh.services.grpc_client import make_channel
 from rlmesh.services.grpc_server import start_server
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
@@ -34,7 +36,8 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.security
 
-LIMITS = SandboxLimits(cpu_s=2, wall_s=4.0, test_timeout_s=3.0, memory_mb=512, max_processes=16, file_size_mb=4)
+LIMITS = SandboxLimits.from_config(CodeEnvironmentSection(cpu_s=2, wall_s=4.0, test_timeout_s=3.0, memory_mb=512,
+                                                          max_processes=16, file_size_mb=4))
 GOOD = ("```python\ndef add(a, b):\n    return a + b\n```", ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"])
 
 
@@ -183,8 +186,9 @@ def test_without_root_the_sandbox_runs_in_a_user_namespace(tmp_path_factory):
     try:
         for name in ("sandbox.py", "sandbox_init.py", "sandbox_harness.py"):
             shutil.copy(REPO / "reward_server" / name, work / name)
+        limits = asdict(SandboxLimits.from_config(CodeEnvironmentSection(wall_s=4, cpu_s=2)))
         script = (f"import json, sys\nsys.path.insert(0, {str(work)!r})\nfrom sandbox import Sandbox, SandboxLimits\n"
-                  "s = Sandbox(SandboxLimits(wall_s=4, cpu_s=2))\ns.check()\n"
+                  f"s = Sandbox(SandboxLimits(**{limits!r}))\ns.check()\n"
                   "runs = [s.run(p, t) for p, t in json.loads(sys.stdin.read())]\n"
                   "print(json.dumps([s.isolation, [r.pass_rate for r in runs]]))")
         cases = [GOOD, HOSTILE["reading /etc/passwd"], HOSTILE["escaping the chroot"],

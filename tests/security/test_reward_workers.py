@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.server import SERVICE_NAME, report_function_health
 from rlmesh.reward_server.service import SCORE_MARGIN_S, RewardService
+from rlmesh.services.config import RewardSection
 from rlmesh.services.grpc_client import make_channel
 from rlmesh.services.grpc_server import start_server
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
@@ -29,6 +30,11 @@ FNS = "tests.security.reward_fns"
 SECRET = "s3cret-token-value"
 
 
+def limits(**keys) -> WorkerLimits:
+    """Worker limits from `reward` keys (the rest at their config defaults)."""
+    return WorkerLimits.from_config(RewardSection(**keys))
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def reward():
     os.environ["RLMESH_TOKEN"] = SECRET  # what a worker must not inherit
@@ -36,7 +42,8 @@ async def reward():
     try:
         service = RewardService({name: f"{FNS}:{name}" for name in ("hog", "spin", "sleeper", "secrets_seen", "ok")},
                                 builtin=["arithmetic"], env_timeout_s=5.0, env_max_concurrency=4,
-                                function_limits=WorkerLimits(num_workers=1, memory_mb=256, cpu_s=30.0, timeout_s=5.0))
+                                function_limits=limits(function_workers=1, function_memory_mb=256, function_cpu_s=30.0,
+                                                      env_timeout_s=5.0))
     finally:
         del os.environ["RLMESH_TOKEN"], os.environ["RLMESH_QUEUE_PASSWORD"]
     server = await start_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
@@ -153,7 +160,7 @@ async def test_a_hung_function_is_answered_within_score_timeout_s_whatever_the_c
     within 2 s + SCORE_MARGIN_S, each item failed saying what missed the time it had (at most 1.8 s,
     90% of 2 s), and the stuck worker is killed then, not when env_timeout_s runs out."""
     service = RewardService({"sleeper": f"{FNS}:sleeper"}, builtin=[], score_timeout_s=2.0, env_timeout_s=8.0,
-                            function_limits=WorkerLimits(num_workers=1, memory_mb=256, timeout_s=8.0))
+                            function_limits=limits(function_workers=1, function_memory_mb=256, env_timeout_s=8.0))
     server = await start_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
                                 port=0)
     env = service.local["sleeper"]
@@ -180,7 +187,7 @@ async def test_a_hung_function_is_answered_within_score_timeout_s_whatever_the_c
 async def test_a_call_over_its_cpu_seconds_is_killed_by_the_kernel():
     from rlmesh.reward_server.function_workers import FunctionWorkerPool
 
-    pool = FunctionWorkerPool("spin", f"{FNS}:spin", WorkerLimits(num_workers=1, cpu_s=1.0, timeout_s=30.0))
+    pool = FunctionWorkerPool("spin", f"{FNS}:spin", limits(function_workers=1, function_cpu_s=1.0, env_timeout_s=30.0))
     try:
         t0 = time.monotonic()
         answer = await asyncio.to_thread(pool.call, {"prompt": [], "completion": "x", "metadata": {}})
@@ -194,7 +201,7 @@ def test_a_function_that_cannot_be_imported_fails_at_start_up_naming_it():
     from rlmesh.reward_server.function_workers import FunctionWorkerPool
 
     with pytest.raises(ValueError, match="no_such_module"):
-        FunctionWorkerPool("bad", "no_such_module:fn", WorkerLimits(num_workers=1))
+        FunctionWorkerPool("bad", "no_such_module:fn", limits(function_workers=1))
 
 
 
@@ -202,7 +209,7 @@ def test_a_function_that_cannot_be_imported_fails_at_start_up_naming_it():
 def test_a_function_that_writes_into_the_answer_pipe_fails_its_item_and_its_worker_is_replaced():
     from rlmesh.reward_server.function_workers import FunctionWorkerPool
 
-    pool = FunctionWorkerPool("scribbler", f"{FNS}:scribbler", WorkerLimits(num_workers=1, timeout_s=10.0))
+    pool = FunctionWorkerPool("scribbler", f"{FNS}:scribbler", limits(function_workers=1, env_timeout_s=10.0))
     try:
         answer = pool.call({"prompt": [], "completion": "x", "metadata": {}})
         assert "not an answer" in answer["error"] and pool.num_replaced == 1

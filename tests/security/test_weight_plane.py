@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource  # noqa: E402
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
-from rlmesh.services.weights.base import build_sender  # noqa: E402
+from rlmesh.services.weights import build_sender  # noqa: E402
 from rlmesh.services.weights.wire import weights_digest  # noqa: E402
 from rlmesh.v1 import rollout_pb2  # noqa: E402
 

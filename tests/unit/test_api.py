@@ -140,7 +140,7 @@ def test_a_function_in_a_script_loads_in_another_process_as_the_reward_server_lo
 def test_a_script_without_the_main_guard_is_named_when_a_service_imports_it(tmp_path):
     (tmp_path / "unguarded.py").write_text("import rlmesh\n\ndef f(p, c, m):\n    return 1.0\n\n"
                                            "rlmesh.train(reward_fn=f)\n")
-    load = "from rlmesh.reward_server.environments.function import load_callable; load_callable('unguarded:f')"
+    load = "from rlmesh.reward_server.environments.base import load_callable; load_callable('unguarded:f')"
     out = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path), "RLMESH_API_SERVICE": "1"})
     assert out.returncode != 0

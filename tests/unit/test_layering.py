@@ -1,6 +1,6 @@
 """The import graph keeps its shape. Everything lives under one import root, `rlmesh`, and each
-layer may import only the layers named for it in `ALLOWED` (the README's Layout section says the
-same in words). Read from the source with `ast`, so a lazy import inside a function counts too."""
+layer may import only the layers named for it in `ALLOWED` (docs/architecture.md's Layout section
+says the same in words). Read from the source with `ast`, so a lazy import inside a function counts too."""
 
 import ast
 from pathlib import Path
@@ -20,8 +20,9 @@ OLD_TOP_LEVEL = ("services", "learner", "rollout_server", "reward_server", "entr
 
 V1, DOMAIN, SERVICES = "rlmesh.v1", "rlmesh.domain", "rlmesh.services"
 ENGINE = "rlmesh.learner.train"
-# data.py and hf_data.py (`data.type: hf`) are one concept: the examples every recipe and the RL service read.
-DATA = ("rlmesh.learner.data", "rlmesh.learner.hf_data")
+# examples.py, data.py and hf_data.py (`data.type: hf`) are one concept: the examples every recipe and the
+# RL service read.
+DATA = ("rlmesh.learner.examples", "rlmesh.learner.data", "rlmesh.learner.hf_data")
 # The experiment trackers take the metrics records of the RL learner and of the offline recipes alike.
 TRACKERS = "rlmesh.learner.trackers"
 LEARNER_SHARED = (*DATA, "rlmesh.learner.metrics", TRACKERS)
@@ -33,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rlmesh.services", (V1, SERVICES)),
     ("rlmesh.learner.train", (V1, DOMAIN, SERVICES, ENGINE)),
     ("rlmesh.learner.devtools", (V1, DOMAIN, SERVICES, "rlmesh.learner.devtools")),
+    ("rlmesh.learner.examples", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.data", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.hf_data", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.metrics", (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics")),

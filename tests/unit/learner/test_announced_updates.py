@@ -25,7 +25,7 @@ from rlmesh.services.queue import connect  # noqa: E402
 from rlmesh.services.valkey import EMBEDDED_USER, start_embedded_valkey  # noqa: E402
 from rlmesh.services.weights.announce import (  # noqa: E402
     MAC_FIELD, MAX_REPORT_BYTES, REPORT_FIELD, SIGNATURE_FIELD, UPDATE_FIELD, UpdateAnnouncer, follow_updates)
-from rlmesh.services.weights.base import build_receiver, build_sender  # noqa: E402
+from rlmesh.services.weights import build_receiver, build_sender  # noqa: E402
 from rlmesh.services.weights.wire import weights_digest  # noqa: E402
 from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
 from tests.unit.learner.test_broadcast import StandInEngine  # noqa: E402

@@ -19,7 +19,8 @@ from rlmesh.learner.membership import Membership  # noqa: E402
 from rlmesh.rollout_server.service import RolloutService  # noqa: E402
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
 from rlmesh.services.grpc_server import start_server  # noqa: E402
-from rlmesh.services.weights.base import Rendezvous, build_receiver, build_sender  # noqa: E402
+from rlmesh.services.weights import build_receiver, build_sender  # noqa: E402
+from rlmesh.services.weights.base import Rendezvous  # noqa: E402
 from rlmesh.services.weights.gloo import join_group, receive  # noqa: E402
 from rlmesh.services.weights.wire import BackgroundDigest, TensorMeta, weights_digest  # noqa: E402
 from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402

@@ -57,7 +57,7 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
                           on_returned=issuer.returned,
                           issued=lambda g: common_pb2.PromptGroup(split=g.prompt.split, n=len(g.samples)),
                           bounds=Bounds(vocab_size=10, max_abs_reward=1e4, max_seq_len=64))
-    evaluator = Evaluator([], issuer, trajectories, reader=None, metrics=Log(), check=lambda group, version: "")
+    evaluator = Evaluator([], issuer, trajectories, metrics=Log(), check=lambda group, version: "")
     controller = Controller(config, tmp_path, components(run_id="run", trajectories=trajectories, issuer=issuer,
                                                          admission=admission, evaluator=evaluator))
     controller.version = 10

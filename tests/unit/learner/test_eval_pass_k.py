@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlmesh.domain.pass_at_k import pass_at_k
-from rlmesh.learner.data import Example
+from rlmesh.learner.examples import Example
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.services.config import load_config
 from rlmesh.v1 import common_pb2
@@ -55,10 +55,10 @@ def test_records_pass_at_k_per_environment_beside_greedy_accuracy():
         return out
 
     examples = [Example(id=i, messages=[{"role": "user", "content": i}], env=env) for i, (env, _, _) in ANSWERS.items()]
-    evaluator = Evaluator(examples, issuer, SimpleNamespace(ack=ack), SimpleNamespace(read=read),
+    evaluator = Evaluator(examples, issuer, SimpleNamespace(ack=ack),
                           SimpleNamespace(write=written.append), check=lambda group, version: "",
                           pass_k=[1, 2, 4], num_samples=4)
-    record = asyncio.run(evaluator.run(0, []))
+    record = asyncio.run(evaluator.run(0, [], read))
     assert written == [record] and not evaluator.rounds and not evaluator.sampled_ids
     assert record["accuracy"] == 0.5 and record["num_prompts"] == 4  # greedy answers only
     assert record["accuracy_by_env"] == {"arithmetic": 0.5, "math": 0.5}

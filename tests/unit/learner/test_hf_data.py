@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.learner.data import TrainOrder, load_dataset
+from rlmesh.learner.data import load_dataset
+from rlmesh.learner.examples import TrainOrder
 from rlmesh.learner.hf_data import StreamOrder
 from rlmesh.services.config import load_config
 

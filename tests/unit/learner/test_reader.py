@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from rlmesh.learner.admission import Admission
-from rlmesh.learner.data import Example
+from rlmesh.learner.examples import Example
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.reader import TrajectoryReader
 from rlmesh.learner.validation import Bounds
@@ -67,7 +67,7 @@ async def test_arrivals_during_a_training_step_are_admitted_or_held_back_until_i
                           on_returned=issuer.returned, issued=issuer.issued,
                           bounds=Bounds(vocab_size=10, max_abs_reward=5, max_seq_len=16))
     reader = TrajectoryReader(prompts, trajectories, run_id="run", issuer=issuer, admission=admission,
-                              membership=None, broadcaster=None, weights=None, metrics=None)
+                              membership=None, metrics=None)
     issued = [common_pb2.PromptGroup.FromString(data) for _, data in prompts.published]
     evaluation = issuer.prompt_group(examples[7], "eval", 1, 3, greedy=True)
     await issuer.publish(evaluation)

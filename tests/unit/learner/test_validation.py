@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlmesh.learner.admission import Admission
-from rlmesh.learner.data import Example
+from rlmesh.learner.examples import Example
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.validation import Bounds
@@ -211,7 +211,7 @@ async def test_groups_of_an_earlier_process_of_this_run_are_accepted_once_after_
 async def test_an_eval_group_with_no_samples_is_a_failed_answer_not_a_crash():
     issuer, admission, _ = await _setup()
     records = []
-    evaluator = Evaluator(EXAMPLES[:2], issuer, admission.trajectories, reader=None,
+    evaluator = Evaluator(EXAMPLES[:2], issuer, admission.trajectories,
                           metrics=SimpleNamespace(write=records.append), check=admission.check)
     await evaluator.start(2)
     eval_groups = [common_pb2.PromptGroup.FromString(d) for _, d in issuer.prompts.published[-2:]]

@@ -1,8 +1,8 @@
 import pytest
 
 from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
-from rlmesh.reward_server.environments.base import ScoreInput
-from rlmesh.reward_server.environments.function import FunctionEnvironment, load_callable
+from rlmesh.reward_server.environments.base import ScoreInput, load_callable
+from rlmesh.reward_server.environments.function import FunctionEnvironment
 
 
 def _item(completion, **metadata):

@@ -13,7 +13,7 @@ from rlmesh.rollout_server.service import RolloutService
 from rlmesh.services.config import RolloutSection, WeightSyncSection
 from rlmesh.services.grpc_client import make_channel
 from rlmesh.services.grpc_server import start_server
-from rlmesh.services.weights.base import build_receiver
+from rlmesh.services.weights import build_receiver
 from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
-from rlmesh.services.weights.base import build_receiver, build_sender  # noqa: E402
+from rlmesh.services.weights import build_receiver, build_sender  # noqa: E402
 from rlmesh.services.weights.wire import Snapshot, buckets, describe, flat_buckets, weights_digest  # noqa: E402
 
 
@@ -63,8 +63,7 @@ def _init_request(**overrides):
 
 
 def test_one_factory_builds_both_sides_of_a_transport():
-    from rlmesh.services.weights import gloo
-    from rlmesh.services.weights.base import _transport
+    from rlmesh.services.weights import _transport, gloo
 
     cfg = WeightSyncSection(backend="gloo", timeout_s=5)
     sender, receiver = build_sender(cfg), build_receiver(cfg)
