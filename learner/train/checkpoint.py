@@ -79,10 +79,15 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def export_hf(checkpoint: Path, output: Path, merge: bool = False) -> Path:
+EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def export_hf(checkpoint: Path, output: Path, merge: bool = False, dtype: str = "auto") -> Path:
     """Write an HF model directory from a DCP checkpoint, in this one process (no process group).
     A LoRA run's checkpoint (learner.lora, with `adapter/`) exports its adapter in peft's format,
-    or with `merge` the base model with the adapter merged in."""
+    or with `merge` the base model with the adapter merged in. The weights are written in `dtype`;
+    "auto" is the dtype of the model the run started from (a bf16 model comes back bf16, its
+    float32 master weights rounded once), float32 where the model names none."""
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -94,6 +99,7 @@ def export_hf(checkpoint: Path, output: Path, merge: bool = False) -> Path:
         shutil.copytree(adapter, output, dirs_exist_ok=True)
     else:
         config = AutoConfig.from_pretrained(hf)
+        dtype = export_dtype(config, dtype)  # before from_config, which sets the config's dtype to its own
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if adapter.is_dir():
             from peft import LoraConfig, get_peft_model
@@ -107,8 +113,18 @@ def export_hf(checkpoint: Path, output: Path, merge: bool = False) -> Path:
         model.load_state_dict(state["model"])
         if adapter.is_dir():
             model = model.merge_and_unload()
+        model.to(getattr(torch, dtype))
         model.save_pretrained(output, safe_serialization=True)
     for f in hf.iterdir():
         if f.name != "config.json":
             shutil.copy2(f, output / f.name)
     return output
+
+
+def export_dtype(config: Any, asked: str) -> str:
+    """The dtype an export writes: the one asked for, or ("auto") the source model's own."""
+    if asked != "auto":
+        return asked
+    source = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    source = source.removeprefix("torch.")
+    return source if source in EXPORT_DTYPES else "float32"

