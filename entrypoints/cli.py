@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="for a LoRA run (learner.lora): write the base model with the adapter merged in, "
                              "instead of the adapter alone")
-    export.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+    from rlmesh.learner.train.checkpoint import EXPORT_DTYPES
+
+    export.add_argument("--dtype", choices=EXPORT_DTYPES, default="auto",
                         help="weights' dtype (default: auto, the dtype of the model the run started from)")
 
     health = sub.add_parser("health", help="exit 0 when a tier's gRPC health service says SERVING "
