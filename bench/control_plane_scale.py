@@ -6,9 +6,9 @@ learner (this process, real code): the LearnerService gRPC server (`rlmesh.learn
           against what was issued, read while a step trains by `TrajectoryReader.admit_during`) and the
           weight broadcaster's control plane (`rlmesh.learner.broadcast`: InitWeightTransfer at each
           group rebuild; then per step one entry on a Valkey stream that every server follows and
-          answers on a report stream (`rlmesh.services.weights.announce`), or with --control single one
-          UpdateWeights call per server carrying pause, start, finish and resume, or 3 or 5 calls
-          with --control combined / separate; + digest check). The bytes
+          answers on a report stream (`rlmesh.services.weights.announce`), or with --control calls one
+          UpdateWeights call per server (it pauses, receives, loads and resumes inside it); + digest
+          check). The bytes
           are not moved: a simulated transport forms no gloo group (a 1,001-rank gloo group is not
           what this measures).
 clients (`--sim-procs` other processes): N asyncio tasks speaking the real protocols: RegisterGenerator, a
@@ -58,6 +58,7 @@ HEARTBEAT_S = 2.0  # rlmesh.rollout_server.server.HEARTBEAT_S, until the learner
 def fake_rollout_servicer(control: str, queue_url: str):
     from rlmesh.services.queue import connect
     from rlmesh.services.weights.announce import follow_updates
+    from rlmesh.services.weights.base import PROTOCOL_VERSION
     from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
     following: dict[str, asyncio.Task] = {}
@@ -78,28 +79,13 @@ def fake_rollout_servicer(control: str, queue_url: str):
                 following[request.generator_id] = asyncio.create_task(follow_updates(
                     valkey, request, lambda update: self.UpdateWeights(update, None)))
             return rollout_pb2.InitWeightTransferResponse(digest_algorithms=["blake3", "sha256"],
-                                                          combined_pause_resume=control != "separate",
-                                                          single_call_update=control in ("single", "announce"),
-                                                          announced_updates=follow)
-
-        async def PauseGeneration(self, request, context):
-            return rollout_pb2.PauseGenerationResponse()
-
-        async def StartWeightUpdate(self, request, context):
-            return rollout_pb2.StartWeightUpdateResponse()
+                                                          announced_updates=follow,
+                                                          protocol_version=PROTOCOL_VERSION)
 
         async def UpdateWeights(self, request, context):
-            reply = rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors))
-            if request.HasField("finish"):
-                reply.finished.CopyFrom(await self.FinishWeightUpdate(request.finish, context))
-            return reply
-
-        async def FinishWeightUpdate(self, request, context):
             self.version = max(self.version, request.version)
-            return rollout_pb2.FinishWeightUpdateResponse(received_digests=[SIM_DIGEST], digest_algorithm="blake3")
-
-        async def ResumeGeneration(self, request, context):
-            return rollout_pb2.ResumeGenerationResponse()
+            return rollout_pb2.UpdateWeightsResponse(num_tensors=len(request.tensors), received_digests=[SIM_DIGEST],
+                                                     digest_algorithm="blake3")
 
     return FakeRollout()
 
@@ -210,7 +196,7 @@ class SimulatedSender:
 async def learner_run(n: int, args: argparse.Namespace) -> dict:
     from rlmesh.learner.admission import Admission
     from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
-    from rlmesh.learner.examples import Example
+    from rlmesh.learner.data.examples import Example
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.learner.membership import LearnerService, Membership
     from rlmesh.learner.reader import TrajectoryReader, mark_queues
@@ -400,12 +386,10 @@ def main() -> None:
     p.add_argument("--gen-s", type=float, default=1.0, help="simulated generation time of one group (x0.5-1.5)")
     p.add_argument("--step-s", type=float, default=10.0,
                    help="the training step's stand-in (seconds), which the overhead is a fraction of")
-    p.add_argument("--control", choices=["announce", "single", "combined", "separate"], default="announce",
+    p.add_argument("--control", choices=["announce", "calls"], default="announce",
                    help="announce: one Valkey stream entry per step, whatever the number of servers, each server "
                         "reporting on a second stream (weight_sync.announce_min_servers); "
-                        "single: one UpdateWeights per server per step carries pause, start, finish and resume; "
-                        "combined: servers pause in StartWeightUpdate and resume in FinishWeightUpdate (3 calls "
-                        "per server per step, servers before single_call_update); separate: 5 calls")
+                        "calls: one UpdateWeights call per server per step")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--per-step", action="store_true", help="print every step's timings (JSON) to stderr")
     p.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
@@ -431,9 +415,7 @@ def main() -> None:
             ("group init (s)", "group_init_s", ".3f"), ("issue / step (s)", "issue_s_p50", ".3f"),
             ("admit / step (s)", "admit_s_p50", ".3f"), ("  after the step", "tail_s_p50", ".3f"),
             ("admitted during step", "admitted_during_step_p50", "d"), ("ack / step (s)", "ack_s_p50", ".3f"),
-            ("broadcast ctl / step (s)", "broadcast_s_p50", ".3f"), ("  pause", "broadcast_pause_s_p50", ".3f"),
-            ("  start", "broadcast_start_s_p50", ".3f"), ("  update", "broadcast_load_s_p50", ".3f"),
-            ("  finish", "broadcast_finish_s_p50", ".3f"), ("  resume", "broadcast_resume_s_p50", ".3f"),
+            ("broadcast ctl / step (s)", "broadcast_s_p50", ".3f"),
             ("  send (calls out)", "broadcast_send_s_p50", ".3f"),
             ("beside the next step:", None, ""), ("  update completes (s)", "bg_settle_s_p50", ".3f"),
             ("  prompts issued (s)", "bg_issue_s_p50", ".3f"),

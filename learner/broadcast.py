@@ -1,11 +1,12 @@
-"""Learner side of the weight push: (re)build the transfer group when membership changes, then
-pause -> start -> send + UpdateWeights -> finish -> verify -> resume on every generator (one
-UpdateWeights call per generator carrying all of it, where every member says single_call_update). The bytes
-move through a transport `Sender` (gloo or NCCL); this module only drives the control plane: each
-group's rendezvous (prefix and secret, or NCCL id) goes out in InitWeightTransfer, and each worker's
-digest of what it received comes back in FinishWeightUpdate and is checked against what was sent.
-The digest algorithm is agreed per group: weight_sync.digest_algorithm if every member lists it in
-its InitWeightTransfer reply, else sha256 (what a server that lists nothing, an older one, digests with).
+"""Learner side of the weight push: (re)build the transfer group when membership changes, then one
+UpdateWeights call per generator per update (each server pauses, receives, loads the version, reports
+its digests and resumes inside that call) while the bytes are sent. The bytes move through a transport
+`Sender` (gloo or NCCL); this module only drives the control plane (weight-update protocol
+`PROTOCOL_VERSION`, agreed in InitWeightTransfer: a server of another version is dropped, naming
+both): each group's rendezvous (prefix and secret, or NCCL id) goes out in InitWeightTransfer, and
+each worker's digest of what it received comes back in the UpdateWeights reply and is checked against
+what was sent. The digest algorithm is agreed per group: weight_sync.digest_algorithm if every member
+lists it in its InitWeightTransfer reply, else sha256.
 In a group of at least weight_sync.announce_min_servers where every member follows announced updates,
 an update is not a call per server but one entry on a Valkey stream (`services.weights.announce`):
 the learner's cost of starting it no longer grows with the number of servers."""
@@ -25,6 +26,7 @@ from rlmesh.learner.membership import Generator, Membership
 from rlmesh.v1 import rollout_pb2
 from rlmesh.services.config import WeightSyncSection
 from rlmesh.services.weights.announce import LOST
+from rlmesh.services.weights.base import PROTOCOL_VERSION, ProtocolMismatch, check_protocol
 
 if TYPE_CHECKING:
     import torch
@@ -74,13 +76,8 @@ class WeightBroadcaster:
         self.last_digest = ""
         self.digest_algorithm = "sha256"
         """The algorithm of this group's digests (and of last_digest)."""
-        self.combined = False
-        """Every member of this group pauses in StartWeightUpdate and resumes in FinishWeightUpdate."""
-        self.single_call = False
-        """Every member of this group takes a whole update (pause, start, receive, finish, resume) in one
-        UpdateWeights call: one control call per server per step."""
         self._fanout: asyncio.Semaphore | None = None
-        self._completing: asyncio.Future | None = None  # a single-call update's completion (`settled`)
+        self._completing: asyncio.Future | None = None  # the last update's completion (`settled`)
         self._snapshot = None  # wire.Snapshot, the buffers weight_sync.snapshot sends from (made on first use)
         # The transfer from a snapshot runs here, never on the torch thread: the next training step
         # runs there meanwhile (its collectives are on the training group, the transfer's on the weight group).
@@ -88,8 +85,8 @@ class WeightBroadcaster:
 
     def _bounded(self, call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
         """`call()` with at most weight_sync.control_concurrency such calls in flight. Only for the
-        calls that do not wait on each other (pause, start, finish, resume): InitWeightTransfer and
-        UpdateWeights block in a collective every member must enter, so those all go out at once."""
+        calls that do not wait on each other (dialling a channel): InitWeightTransfer and UpdateWeights
+        block in a collective every member must enter, so those all go out at once."""
         if self._fanout is None:
             self._fanout = asyncio.Semaphore(self.cfg.control_concurrency)
 
@@ -145,7 +142,8 @@ class WeightBroadcaster:
             group_prefix=ticket.prefix, group_secret=ticket.secret, nccl_unique_id=ticket.nccl_unique_id,
             announce_stream=announce_stream, report_stream=report_stream, generator_id=g.generator_id,
             announce_public_key=self.announcer.public_key if announce_stream else b"",
-            report_key=self.announcer.report_key_for(g.generator_id) if announce_stream else b"")
+            report_key=self.announcer.report_key_for(g.generator_id) if announce_stream else b"",
+            protocol_version=PROTOCOL_VERSION)
         calls = {g.generator_id: asyncio.ensure_future(g.stub.InitWeightTransfer(request(g), timeout=self.cfg.timeout_s))
                  for g in members}
         try:
@@ -155,34 +153,42 @@ class WeightBroadcaster:
             await self._gather("InitWeightTransfer", calls)
             raise BroadcastError(f"transfer group epoch {self.epoch} did not form: {err}") from err
         replies = await self._gather("InitWeightTransfer", calls)
+        self._check_protocol(replies)
         self.digest_algorithm = self._agree_digest(replies)
-        # Pause and resume ride on Start and Finish where every member can (2 round trips fewer
-        # per step: at a thousand servers, each round is a thousand calls).
-        self.combined = all(r.combined_pause_resume for r in replies.values())
-        # ...and Start and Finish ride on UpdateWeights: 1 call per server per step instead of 3.
-        self.single_call = self.combined and all(r.single_call_update for r in replies.values())
-        # ...and that one call becomes one stream entry for all of them.
-        self.announced = bool(announce_stream) and self.single_call and all(r.announced_updates
-                                                                             for r in replies.values())
+        # Where every member follows the announce stream, an update is one stream entry for all of them.
+        self.announced = bool(announce_stream) and all(r.announced_updates for r in replies.values())
         self.formed, self.members = True, members
         self.membership.changed = False
         for g in members:
             g.in_group = True
-        log.info("%s transfer group epoch %d formed: %d generator(s), world size %d, digest %s, %d control call(s) "
-                 "per server per update%s (%.1fs)", self.cfg.backend, self.epoch, len(members), world,
-                 self.digest_algorithm, 0 if self.announced else 1 if self.single_call else 3 if self.combined else 5,
-                 ", updates announced once on Valkey" if self.announced else "", time.monotonic() - t0)
+        log.info("%s transfer group epoch %d formed: %d generator(s), world size %d, digest %s, %s (%.1fs)",
+                 self.cfg.backend, self.epoch, len(members), world, self.digest_algorithm,
+                 "updates announced once on Valkey" if self.announced else "one UpdateWeights call per server per "
+                 "update", time.monotonic() - t0)
+
+    def _check_protocol(self, replies: dict[str, Any]) -> None:
+        """Drop every member that speaks another weight-update protocol (naming both versions) and raise."""
+        wrong = {}
+        for gid, reply in replies.items():
+            try:
+                check_protocol(reply.protocol_version, f"rollout server {gid}")
+            except ProtocolMismatch as err:
+                wrong[gid] = str(err)
+        if wrong:
+            for gid, why in wrong.items():
+                self.membership.remove(gid, why)
+            self.formed = False
+            raise BroadcastError("; ".join(wrong.values()))
 
     def _agree_digest(self, replies: dict[str, Any]) -> str:
         """The configured algorithm if every member can digest with it, else sha256."""
         wanted = self.cfg.digest_algorithm
         if not self.transport.verifies:
             return wanted  # nothing is digested (nccl)
-        behind = [gid for gid, r in replies.items() if wanted not in (list(r.digest_algorithms) or ["sha256"])]
+        behind = [gid for gid, r in replies.items() if wanted not in r.digest_algorithms]
         if behind and wanted != "sha256":
             log.warning("weight digests fall back to sha256: %s cannot digest with weight_sync.digest_algorithm=%s "
-                        "(an older rlmesh, or one without that hash package: pip install blake3 xxhash); upgrade it to get the "
-                        "faster digest", ", ".join(behind), wanted)
+                        "(its hash package is not installed: pip install blake3 xxhash)", ", ".join(behind), wanted)
             return "sha256"
         return wanted
 
@@ -195,7 +201,7 @@ class WeightBroadcaster:
     async def send(self, version: int, source: WeightSource) -> dict[str, float]:
         """Push the weights as `version` to every generator; returns timing metrics once the bytes
         are sent (with weight_sync.snapshot, once they are copied), so that the learner's next
-        training step can start. In a single-call group the rest (the transfer from the snapshot,
+        training step can start. The rest (the transfer from the snapshot,
         each server's reply once it has loaded them, the digest check) completes in the
         background: `settled()` waits for it, and whatever needs every server at `version` (issuing
         prompts at it, the next update, a catch-up) must call it first. A generator that fails
@@ -237,34 +243,12 @@ class WeightBroadcaster:
         if not self.formed or self.membership.changed:
             await self._rebuild()
         members, epoch, timeout, algorithm = self.members, self.epoch, self.cfg.timeout_s, self.digest_algorithm
-        each = lambda make: {g.generator_id: self._bounded(lambda g=g: make(g)) for g in members}  # noqa: E731
-        phases: dict[str, float] = {}
-        mark = time.monotonic()
-
-        def lap(name: str) -> None:
-            nonlocal mark
-            now = time.monotonic()
-            phases[f"broadcast_{name}_s"], mark = now - mark, now
-
-        combined, single = self.combined, self.single_call
-        start = rollout_pb2.StartWeightUpdateRequest(version=version, group_epoch=epoch,
-                                                     pause_mode="keep" if combined else "")
-        finish = rollout_pb2.FinishWeightUpdateRequest(version=version, group_epoch=epoch, resume=combined)
-        if not combined:
-            await self._gather("PauseGeneration", each(lambda g: g.stub.PauseGeneration(
-                rollout_pb2.PauseGenerationRequest(mode="keep"), timeout=timeout)))
-            lap("pause")
-        if not single:
-            await self._gather("StartWeightUpdate", each(lambda g: g.stub.StartWeightUpdate(start, timeout=timeout)))
-            lap("start")
         metas = source.metas()
-        # One request for every member (nothing in it is per server). In a single-call group each
-        # server pauses and starts when its call arrives and waits in the collective for the rest,
-        # as it waited for the learner's UpdateWeights after its own StartWeightUpdate before.
+        # One request for every member (nothing in it is per server): each server pauses when its call
+        # arrives and waits in the collective for the rest.
         request = rollout_pb2.UpdateWeightsRequest(
-            version=version, group_epoch=epoch, digest_algorithm=algorithm,
-            tensors=[rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas],
-            start=start if single else None, finish=finish if single else None)
+            version=version, group_epoch=epoch, digest_algorithm=algorithm, pause_mode="keep",
+            tensors=[rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas])
         if self.announced:  # one stream entry, whatever the number of members
             try:
                 updates = await self._announce(request, members)
@@ -274,7 +258,8 @@ class WeightBroadcaster:
         else:
             updates = {g.generator_id: asyncio.ensure_future(g.stub.UpdateWeights(request, timeout=timeout))
                        for g in members}
-        snapshot = self.cfg.snapshot and single and self.transport.snapshots
+        snapshot = self.cfg.snapshot and self.transport.snapshots
+        t_send = time.monotonic()
         if snapshot:  # the transfer starts on its own thread and sends each bucket once it is copied
             if self._wire is None:
                 self._wire = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-weights")
@@ -295,29 +280,14 @@ class WeightBroadcaster:
             await self._gather("UpdateWeights", updates)
             self.formed = False
             raise BroadcastError(f"{self.cfg.backend} send failed: {err}") from err
-        lap("snapshot" if snapshot else "send")
+        phases = {f"broadcast_{'snapshot' if snapshot else 'send'}_s": time.monotonic() - t_send}
         self.sent_versions.append(version)
         sent = {"broadcast_mb": sum(m.nbytes for m in metas) / 2**20,
                 # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
                 "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
                 "weights_verified": float(self.transport.verifies)}
-        if single:  # with a snapshot, `digest` is the transfer's future
-            self._completing = asyncio.ensure_future(self._complete(version, digest, members, updates))
-            return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
-        await self._gather("UpdateWeights", updates)
-        lap("load")  # receivers still loading the last bucket after the sender is done
-        finished = await self._gather("FinishWeightUpdate", each(lambda g: g.stub.FinishWeightUpdate(
-            finish, timeout=timeout)))
-        lap("finish")
-        mismatch = self._verify(version, digest, finished, members) if self.transport.verifies else ""
-        lap("verify")
-        if not combined:
-            await self._gather("ResumeGeneration", each(lambda g: g.stub.ResumeGeneration(
-                rollout_pb2.ResumeGenerationRequest(), timeout=timeout)))
-            lap("resume")
-        if mismatch:
-            raise RuntimeError(mismatch)  # a corrupted transfer is a bug, not a retryable fault
-        self._record(version, digest, finished, members)
+        # With a snapshot, `digest` is the transfer's future.
+        self._completing = asyncio.ensure_future(self._complete(version, digest, members, updates))
         return {"broadcast_s": time.monotonic() - t0, **phases, **sent}
 
     def _take_snapshot(self, source: WeightSource, metas: list[TensorMeta], handoff: Handoff) -> None:
@@ -334,9 +304,9 @@ class WeightBroadcaster:
 
     async def _complete(self, version: int, digest: str | asyncio.Future, members: list[Generator],
                         updates: dict[str, asyncio.Future]) -> dict[str, float]:
-        """The rest of a single-call update once the bytes are sent (or, from a snapshot, while they
-        are: `digest` is then the transfer's future): every server's reply (it has loaded the
-        weights, finished and resumed) and the digest check. A server whose call failed is dropped
+        """The rest of an update once the bytes are sent (or, from a snapshot, while they are:
+        `digest` is then the transfer's future): every server's reply (it has loaded the weights
+        and resumed) and the digest check. A server whose call failed is dropped
         from membership (it registers again and is caught up to the version current then): nothing
         is re-sent as `version`, since the learner's weights may have moved on."""
         t0 = time.monotonic()
@@ -361,7 +331,7 @@ class WeightBroadcaster:
                 self.membership.remove(gid, f"UpdateWeights v{version} failed after the weights were sent ({detail})")
                 self.formed = False  # the next update rebuilds the group without it
         done = [g for g in members if not isinstance(results[g.generator_id], BaseException)]
-        finished = {g.generator_id: results[g.generator_id].finished for g in done}
+        finished = {g.generator_id: results[g.generator_id] for g in done}
         t_loaded = time.monotonic()
         mismatch = self._verify(version, digest, finished, done) if self.transport.verifies else ""
         if mismatch:
@@ -404,8 +374,8 @@ class WeightBroadcaster:
         """"" if every worker of every one of `members` reported receiving exactly `digest`; otherwise what differs."""
         for g in members:
             reply = finished[g.generator_id]
-            if (reply.digest_algorithm or "sha256") != self.digest_algorithm:
-                return (f"{g.generator_id} digested weights v{version} with {reply.digest_algorithm or 'sha256'}, the "
+            if reply.digest_algorithm != self.digest_algorithm:
+                return (f"{g.generator_id} digested weights v{version} with {reply.digest_algorithm or '(none)'}, the "
                         f"learner with {self.digest_algorithm}; run the same rlmesh version on learner and rollout "
                         "servers")
             received = list(reply.received_digests)

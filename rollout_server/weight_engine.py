@@ -1,6 +1,6 @@
 """vLLM worker-side weight-transfer engine for CPU: receives the learner's gloo broadcast and
 loads it in place with vLLM's layerwise reload, keeping a digest of the bytes it received (in the
-algorithm the learner's UpdateWeights names: BLAKE3, or sha256 for an older learner). Registered
+algorithm the learner's UpdateWeights names: BLAKE3, or sha256). Registered
 under `rlmesh.services.weights.gloo.ENGINE` through the `vllm.general_plugins` entry point, so it
 exists in every process vLLM spawns; beside it `ADAPTER_ENGINE`, which receives a LoRA adapter the
 same way and writes it to disk (`rlmesh.rollout_server.lora` serves it). `WorkerDigests` is the

@@ -200,7 +200,7 @@ def parse_update(fields: dict, group_epoch: int, report: rollout_pb2.UpdateWeigh
     except DecodeError as err:
         raise ValueError(f"malformed announced update: {err}") from err
     report.version = request.version
-    if request.group_epoch != group_epoch or not request.HasField("start") or not request.HasField("finish"):
+    if request.group_epoch != group_epoch:
         raise ValueError(f"announced update v{request.version} is for group epoch {request.group_epoch} (this "
-                         f"server is in {group_epoch}) or lacks start/finish")
+                         f"server is in {group_epoch})")
     return request

@@ -2,8 +2,9 @@
 transfer group) and a `Receiver` in each rollout server, one pair per transport module (`gloo`,
 `nccl`), chosen by `weight_sync.backend` through `rlmesh.services.weights.build_sender` /
 `build_receiver`. The learner's broadcaster drives the control plane (gRPC) around them; the
-rollout server never names a transport. The received digest comes back over gRPC (FinishWeightUpdate), never through a store;
-its algorithm is agreed per group (InitWeightTransferResponse lists what a server can digest with)."""
+rollout server never names a transport. The received digest comes back over gRPC (in the UpdateWeights reply), never
+through a store; its algorithm is agreed per group (InitWeightTransferResponse lists what a server can digest with).
+Learner and rollout servers agree on one weight-update protocol, `PROTOCOL_VERSION`, when a group forms."""
 
 from __future__ import annotations
 
@@ -19,6 +20,24 @@ if TYPE_CHECKING:
     from rlmesh.services.config import WeightSyncSection
     from rlmesh.services.weights.wire import TensorMeta
     from rlmesh.v1 import rollout_pb2
+
+
+PROTOCOL_VERSION = 2
+"""The weight-update protocol: InitWeightTransfer to form a group, then one UpdateWeights per server per
+update (pause, receive, load, digest, resume), or that request announced once on Valkey for a large group.
+Bump it on any change either side must know about; a mismatch is refused when the group forms."""
+
+
+class ProtocolMismatch(Exception):
+    """The other side of a weight group speaks another weight-update protocol version."""
+
+
+def check_protocol(theirs: int, who: str) -> None:
+    """Raise ProtocolMismatch naming both versions unless `who` (the learner, or a rollout server) speaks ours."""
+    if theirs != PROTOCOL_VERSION:
+        seen = f"version {theirs}" if theirs else "no version (an rlmesh from before protocol versions)"
+        raise ProtocolMismatch(f"{who} speaks weight-update protocol {seen}, this side version {PROTOCOL_VERSION}: "
+                               "run the same rlmesh release on the learner and every rollout server")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """gloo weight transport (CPU hosts, and any host without NCCL between trainer and workers): a
 ProcessGroupGloo over the learner's TCPStore, bucketed broadcast with two buckets in flight, and a
-digest of the bytes on both sides (BLAKE3, or sha256 for an older peer), taken on a side thread.
+digest of the bytes on both sides (BLAKE3, or sha256 where that package is missing), taken on a side thread.
 
 The store is the weak spot (c10d stores have no authentication, and `list_keys` shows every key
 to whoever dials them), so: it listens only on the interface rollout servers dial; each group lives
@@ -126,8 +126,8 @@ class GlooReceiver:
     def init_info(self, request: rollout_pb2.InitWeightTransferRequest) -> dict:
         check_init(self.cfg, request)
         if not request.group_prefix or len(request.group_secret) < 16:
-            raise ValueError("InitWeightTransfer carries no group_prefix/group_secret: the learner runs an older "
-                             "rlmesh; run the same version on learner and rollout servers")
+            raise ValueError("InitWeightTransfer carries no group_prefix, or a group_secret under 16 bytes: a "
+                             "gloo group needs both")
         return dict(master_address=request.master_address, master_port=request.master_port,
                     rank_offset=request.rank_offset, world_size=request.world_size, group_epoch=request.group_epoch,
                     group_prefix=request.group_prefix, group_secret=request.group_secret.hex(),

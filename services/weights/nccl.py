@@ -85,8 +85,7 @@ class NCCLReceiver:
         """What vLLM's `nccl` engine expects in `init_weight_transfer_engine` (unique-id rendezvous, packed)."""
         check_init(self.cfg, request)
         if len(request.nccl_unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"nccl_unique_id has {len(request.nccl_unique_id)} bytes, NCCL's is {UNIQUE_ID_BYTES}: "
-                             "the learner runs an older rlmesh; run the same version on learner and rollout servers")
+            raise ValueError(f"nccl_unique_id has {len(request.nccl_unique_id)} bytes, NCCL's is {UNIQUE_ID_BYTES}")
         return {"rank_offset": request.rank_offset, "world_size": request.world_size, "packed": True,
                 "nccl_unique_id_b64": base64.b64encode(request.nccl_unique_id).decode()}
 

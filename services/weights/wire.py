@@ -19,7 +19,7 @@ DIGEST_ALGORITHMS = ("blake3", "xxh3", "sha256")
 """What a gloo receiver can digest with, preferred first (InitWeightTransferResponse.digest_algorithms).
 BLAKE3 is cryptographic like sha256 and 2-4x faster on one core; xxh3 (128-bit) is another ~5x faster
 but not cryptographic: it catches corruption, not a forger on the weight network (opt-in,
-weight_sync.digest_algorithm); sha256 stays for older peers."""
+weight_sync.digest_algorithm); sha256 is for a peer without those packages."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/rollout.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"9\n\x0fGenerateRequest\x12&\n\x06prompt\x18\x01 \x01(\x0b\x32\x16.rlmesh.v1.PromptGroup\"O\n\x10GenerateResponse\x12!\n\x06sample\x18\x01 \x01(\x0b\x32\x11.rlmesh.v1.Sample\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"\xeb\x02\n\x19InitWeightTransferRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x13\n\x0brank_offset\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x13\n\x0bgroup_epoch\x18\x06 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\x14\n\x0cgroup_prefix\x18\x08 \x01(\t\x12\x14\n\x0cgroup_secret\x18\t \x01(\x0c\x12\x16\n\x0enccl_unique_id\x18\n \x01(\x0c\x12\x17\n\x0f\x61nnounce_stream\x18\x0b \x01(\t\x12\x15\n\rreport_stream\x18\x0c \x01(\t\x12\x14\n\x0cgenerator_id\x18\r \x01(\t\x12\x1b\n\x13\x61nnounce_public_key\x18\x0e \x01(\x0c\x12\x12\n\nreport_key\x18\x0f \x01(\x0c\"\x8d\x01\n\x1aInitWeightTransferResponse\x12\x19\n\x11\x64igest_algorithms\x18\x01 \x03(\t\x12\x1d\n\x15\x63ombined_pause_resume\x18\x02 \x01(\x08\x12\x1a\n\x12single_call_update\x18\x03 \x01(\x08\x12\x19\n\x11\x61nnounced_updates\x18\x04 \x01(\x08\"T\n\x18StartWeightUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bgroup_epoch\x18\x02 \x01(\x03\x12\x12\n\npause_mode\x18\x03 \x01(\t\"\x1b\n\x19StartWeightUpdateResponse\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xe8\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bgroup_epoch\x18\x02 \x01(\x03\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.rlmesh.v1.TensorSpec\x12\x18\n\x10\x64igest_algorithm\x18\x04 \x01(\t\x12\x32\n\x05start\x18\x05 \x01(\x0b\x32#.rlmesh.v1.StartWeightUpdateRequest\x12\x34\n\x06\x66inish\x18\x06 \x01(\x0b\x32$.rlmesh.v1.FinishWeightUpdateRequest\"e\n\x15UpdateWeightsResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\x05\x12\x37\n\x08\x66inished\x18\x02 \x01(\x0b\x32%.rlmesh.v1.FinishWeightUpdateResponse\"\x91\x01\n\x13UpdateWeightsReport\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0bgroup_epoch\x18\x03 \x01(\x03\x12/\n\x05reply\x18\x04 \x01(\x0b\x32 .rlmesh.v1.UpdateWeightsResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"Q\n\x19\x46inishWeightUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bgroup_epoch\x18\x02 \x01(\x03\x12\x0e\n\x06resume\x18\x03 \x01(\x08\"~\n\x1a\x46inishWeightUpdateResponse\x12\x16\n\x0eweights_digest\x18\x01 \x01(\t\x12\x18\n\x10received_digests\x18\x03 \x03(\t\x12\x18\n\x10\x64igest_algorithm\x18\x04 \x01(\t\x12\x14\n\x0c\x62usy_seconds\x18\x02 \x01(\x01\"&\n\x16PauseGenerationRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x19\n\x17PauseGenerationResponse\"\x19\n\x17ResumeGenerationRequest\"\x1a\n\x18ResumeGenerationResponse\"4\n\x14RolloutStatusRequest\x12\x1c\n\x14include_weights_hash\x18\x01 \x01(\x08\"\x8c\x02\n\x15RolloutStatusResponse\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1b\n\x13num_inflight_groups\x18\x04 \x01(\x05\x12\x1c\n\x14num_generated_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14num_completed_groups\x18\x06 \x01(\x03\x12\x16\n\x0eweights_digest\x18\x07 \x01(\t\x12\x13\n\x0bgroup_epoch\x18\x08 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\t \x01(\x01\x12 \n\x18weights_digest_algorithm\x18\n \x01(\t2\xd8\x05\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1a.rlmesh.v1.GenerateRequest\x1a\x1b.rlmesh.v1.GenerateResponse0\x01\x12\x61\n\x12InitWeightTransfer\x12$.rlmesh.v1.InitWeightTransferRequest\x1a%.rlmesh.v1.InitWeightTransferResponse\x12^\n\x11StartWeightUpdate\x12#.rlmesh.v1.StartWeightUpdateRequest\x1a$.rlmesh.v1.StartWeightUpdateResponse\x12R\n\rUpdateWeights\x12\x1f.rlmesh.v1.UpdateWeightsRequest\x1a .rlmesh.v1.UpdateWeightsResponse\x12\x61\n\x12\x46inishWeightUpdate\x12$.rlmesh.v1.FinishWeightUpdateRequest\x1a%.rlmesh.v1.FinishWeightUpdateResponse\x12X\n\x0fPauseGeneration\x12!.rlmesh.v1.PauseGenerationRequest\x1a\".rlmesh.v1.PauseGenerationResponse\x12[\n\x10ResumeGeneration\x12\".rlmesh.v1.ResumeGenerationRequest\x1a#.rlmesh.v1.ResumeGenerationResponse\x12N\n\tGetStatus\x12\x1f.rlmesh.v1.RolloutStatusRequest\x1a .rlmesh.v1.RolloutStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/rollout.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"9\n\x0fGenerateRequest\x12&\n\x06prompt\x18\x01 \x01(\x0b\x32\x16.rlmesh.v1.PromptGroup\"O\n\x10GenerateResponse\x12!\n\x06sample\x18\x01 \x01(\x0b\x32\x11.rlmesh.v1.Sample\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"\x85\x03\n\x19InitWeightTransferRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x13\n\x0brank_offset\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x13\n\x0bgroup_epoch\x18\x06 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\x14\n\x0cgroup_prefix\x18\x08 \x01(\t\x12\x14\n\x0cgroup_secret\x18\t \x01(\x0c\x12\x16\n\x0enccl_unique_id\x18\n \x01(\x0c\x12\x17\n\x0f\x61nnounce_stream\x18\x0b \x01(\t\x12\x15\n\rreport_stream\x18\x0c \x01(\t\x12\x14\n\x0cgenerator_id\x18\r \x01(\t\x12\x1b\n\x13\x61nnounce_public_key\x18\x0e \x01(\x0c\x12\x12\n\nreport_key\x18\x0f \x01(\x0c\x12\x18\n\x10protocol_version\x18\x10 \x01(\r\"x\n\x1aInitWeightTransferResponse\x12\x19\n\x11\x64igest_algorithms\x18\x01 \x03(\t\x12\x19\n\x11\x61nnounced_updates\x18\x04 \x01(\x08\x12\x18\n\x10protocol_version\x18\x05 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x9e\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bgroup_epoch\x18\x02 \x01(\x03\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.rlmesh.v1.TensorSpec\x12\x18\n\x10\x64igest_algorithm\x18\x04 \x01(\t\x12\x12\n\npause_mode\x18\x07 \x01(\tJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\x94\x01\n\x15UpdateWeightsResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\x05\x12\x16\n\x0eweights_digest\x18\x03 \x01(\t\x12\x18\n\x10received_digests\x18\x04 \x03(\t\x12\x18\n\x10\x64igest_algorithm\x18\x05 \x01(\t\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01J\x04\x08\x02\x10\x03\"\x91\x01\n\x13UpdateWeightsReport\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0bgroup_epoch\x18\x03 \x01(\x03\x12/\n\x05reply\x18\x04 \x01(\x0b\x32 .rlmesh.v1.UpdateWeightsResponse\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"&\n\x16PauseGenerationRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x19\n\x17PauseGenerationResponse\"\x19\n\x17ResumeGenerationRequest\"\x1a\n\x18ResumeGenerationResponse\"4\n\x14RolloutStatusRequest\x12\x1c\n\x14include_weights_hash\x18\x01 \x01(\x08\"\x8c\x02\n\x15RolloutStatusResponse\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1b\n\x13num_inflight_groups\x18\x04 \x01(\x05\x12\x1c\n\x14num_generated_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14num_completed_groups\x18\x06 \x01(\x03\x12\x16\n\x0eweights_digest\x18\x07 \x01(\t\x12\x13\n\x0bgroup_epoch\x18\x08 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\t \x01(\x01\x12 \n\x18weights_digest_algorithm\x18\n \x01(\t2\x95\x04\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1a.rlmesh.v1.GenerateRequest\x1a\x1b.rlmesh.v1.GenerateResponse0\x01\x12\x61\n\x12InitWeightTransfer\x12$.rlmesh.v1.InitWeightTransferRequest\x1a%.rlmesh.v1.InitWeightTransferResponse\x12R\n\rUpdateWeights\x12\x1f.rlmesh.v1.UpdateWeightsRequest\x1a .rlmesh.v1.UpdateWeightsResponse\x12X\n\x0fPauseGeneration\x12!.rlmesh.v1.PauseGenerationRequest\x1a\".rlmesh.v1.PauseGenerationResponse\x12[\n\x10ResumeGeneration\x12\".rlmesh.v1.ResumeGenerationRequest\x1a#.rlmesh.v1.ResumeGenerationResponse\x12N\n\tGetStatus\x12\x1f.rlmesh.v1.RolloutStatusRequest\x1a .rlmesh.v1.RolloutStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,37 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=121
   _globals['_GENERATERESPONSE']._serialized_end=200
   _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_start=203
-  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=566
-  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=569
-  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=710
-  _globals['_STARTWEIGHTUPDATEREQUEST']._serialized_start=712
-  _globals['_STARTWEIGHTUPDATEREQUEST']._serialized_end=796
-  _globals['_STARTWEIGHTUPDATERESPONSE']._serialized_start=798
-  _globals['_STARTWEIGHTUPDATERESPONSE']._serialized_end=825
-  _globals['_TENSORSPEC']._serialized_start=827
-  _globals['_TENSORSPEC']._serialized_end=883
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=886
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1118
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1120
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1221
-  _globals['_UPDATEWEIGHTSREPORT']._serialized_start=1224
-  _globals['_UPDATEWEIGHTSREPORT']._serialized_end=1369
-  _globals['_FINISHWEIGHTUPDATEREQUEST']._serialized_start=1371
-  _globals['_FINISHWEIGHTUPDATEREQUEST']._serialized_end=1452
-  _globals['_FINISHWEIGHTUPDATERESPONSE']._serialized_start=1454
-  _globals['_FINISHWEIGHTUPDATERESPONSE']._serialized_end=1580
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1582
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1620
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1622
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1647
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1649
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1674
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1676
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1702
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=1704
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=1756
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=1759
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=2027
-  _globals['_ROLLOUTSERVICE']._serialized_start=2030
-  _globals['_ROLLOUTSERVICE']._serialized_end=2758
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=592
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=594
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=714
+  _globals['_TENSORSPEC']._serialized_start=716
+  _globals['_TENSORSPEC']._serialized_end=772
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=775
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=933
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=936
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1084
+  _globals['_UPDATEWEIGHTSREPORT']._serialized_start=1087
+  _globals['_UPDATEWEIGHTSREPORT']._serialized_end=1232
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1234
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1272
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1274
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1299
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1301
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1326
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1328
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1354
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=1356
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=1408
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=1411
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=1679
+  _globals['_ROLLOUTSERVICE']._serialized_start=1682
+  _globals['_ROLLOUTSERVICE']._serialized_end=2215
 # @@protoc_insertion_point(module_scope)

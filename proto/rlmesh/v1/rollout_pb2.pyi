@@ -22,7 +22,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitWeightTransferRequest(_message.Message):
-    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch", "timeout_seconds", "group_prefix", "group_secret", "nccl_unique_id", "announce_stream", "report_stream", "generator_id", "announce_public_key", "report_key")
+    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_epoch", "timeout_seconds", "group_prefix", "group_secret", "nccl_unique_id", "announce_stream", "report_stream", "generator_id", "announce_public_key", "report_key", "protocol_version")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class InitWeightTransferRequest(_message.Message):
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     REPORT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     backend: str
     master_address: str
     master_port: int
@@ -53,33 +54,18 @@ class InitWeightTransferRequest(_message.Message):
     generator_id: str
     announce_public_key: bytes
     report_key: bytes
-    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_prefix: _Optional[str] = ..., group_secret: _Optional[bytes] = ..., nccl_unique_id: _Optional[bytes] = ..., announce_stream: _Optional[str] = ..., report_stream: _Optional[str] = ..., generator_id: _Optional[str] = ..., announce_public_key: _Optional[bytes] = ..., report_key: _Optional[bytes] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_epoch: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_prefix: _Optional[str] = ..., group_secret: _Optional[bytes] = ..., nccl_unique_id: _Optional[bytes] = ..., announce_stream: _Optional[str] = ..., report_stream: _Optional[str] = ..., generator_id: _Optional[str] = ..., announce_public_key: _Optional[bytes] = ..., report_key: _Optional[bytes] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class InitWeightTransferResponse(_message.Message):
-    __slots__ = ("digest_algorithms", "combined_pause_resume", "single_call_update", "announced_updates")
+    __slots__ = ("digest_algorithms", "announced_updates", "protocol_version")
     DIGEST_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
-    COMBINED_PAUSE_RESUME_FIELD_NUMBER: _ClassVar[int]
-    SINGLE_CALL_UPDATE_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCED_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     digest_algorithms: _containers.RepeatedScalarFieldContainer[str]
-    combined_pause_resume: bool
-    single_call_update: bool
     announced_updates: bool
-    def __init__(self, digest_algorithms: _Optional[_Iterable[str]] = ..., combined_pause_resume: _Optional[bool] = ..., single_call_update: _Optional[bool] = ..., announced_updates: _Optional[bool] = ...) -> None: ...
-
-class StartWeightUpdateRequest(_message.Message):
-    __slots__ = ("version", "group_epoch", "pause_mode")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    group_epoch: int
-    pause_mode: str
-    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., pause_mode: _Optional[str] = ...) -> None: ...
-
-class StartWeightUpdateResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    protocol_version: int
+    def __init__(self, digest_algorithms: _Optional[_Iterable[str]] = ..., announced_updates: _Optional[bool] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -92,28 +78,32 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "group_epoch", "tensors", "digest_algorithm", "start", "finish")
+    __slots__ = ("version", "group_epoch", "tensors", "digest_algorithm", "pause_mode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
-    FINISH_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     version: int
     group_epoch: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     digest_algorithm: str
-    start: StartWeightUpdateRequest
-    finish: FinishWeightUpdateRequest
-    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., digest_algorithm: _Optional[str] = ..., start: _Optional[_Union[StartWeightUpdateRequest, _Mapping]] = ..., finish: _Optional[_Union[FinishWeightUpdateRequest, _Mapping]] = ...) -> None: ...
+    pause_mode: str
+    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., digest_algorithm: _Optional[str] = ..., pause_mode: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("num_tensors", "finished")
+    __slots__ = ("num_tensors", "weights_digest", "received_digests", "digest_algorithm", "busy_seconds")
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_tensors: int
-    finished: FinishWeightUpdateResponse
-    def __init__(self, num_tensors: _Optional[int] = ..., finished: _Optional[_Union[FinishWeightUpdateResponse, _Mapping]] = ...) -> None: ...
+    weights_digest: str
+    received_digests: _containers.RepeatedScalarFieldContainer[str]
+    digest_algorithm: str
+    busy_seconds: float
+    def __init__(self, num_tensors: _Optional[int] = ..., weights_digest: _Optional[str] = ..., received_digests: _Optional[_Iterable[str]] = ..., digest_algorithm: _Optional[str] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsReport(_message.Message):
     __slots__ = ("generator_id", "version", "group_epoch", "reply", "error")
@@ -128,28 +118,6 @@ class UpdateWeightsReport(_message.Message):
     reply: UpdateWeightsResponse
     error: str
     def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., reply: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
-
-class FinishWeightUpdateRequest(_message.Message):
-    __slots__ = ("version", "group_epoch", "resume")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    RESUME_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    group_epoch: int
-    resume: bool
-    def __init__(self, version: _Optional[int] = ..., group_epoch: _Optional[int] = ..., resume: _Optional[bool] = ...) -> None: ...
-
-class FinishWeightUpdateResponse(_message.Message):
-    __slots__ = ("weights_digest", "received_digests", "digest_algorithm", "busy_seconds")
-    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
-    RECEIVED_DIGESTS_FIELD_NUMBER: _ClassVar[int]
-    DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
-    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    weights_digest: str
-    received_digests: _containers.RepeatedScalarFieldContainer[str]
-    digest_algorithm: str
-    busy_seconds: float
-    def __init__(self, weights_digest: _Optional[str] = ..., received_digests: _Optional[_Iterable[str]] = ..., digest_algorithm: _Optional[str] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode",)

@@ -44,20 +44,10 @@ class RolloutServiceStub:
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.InitWeightTransferResponse.FromString,
                 _registered_method=True)
-        self.StartWeightUpdate = channel.unary_unary(
-                '/rlmesh.v1.RolloutService/StartWeightUpdate',
-                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.StartWeightUpdateRequest.SerializeToString,
-                response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.StartWeightUpdateResponse.FromString,
-                _registered_method=True)
         self.UpdateWeights = channel.unary_unary(
                 '/rlmesh.v1.RolloutService/UpdateWeights',
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
-                _registered_method=True)
-        self.FinishWeightUpdate = channel.unary_unary(
-                '/rlmesh.v1.RolloutService/FinishWeightUpdate',
-                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.FinishWeightUpdateRequest.SerializeToString,
-                response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.FinishWeightUpdateResponse.FromString,
                 _registered_method=True)
         self.PauseGeneration = channel.unary_unary(
                 '/rlmesh.v1.RolloutService/PauseGeneration',
@@ -89,32 +79,24 @@ class RolloutServiceServicer:
     def InitWeightTransfer(self, request, context):
         """Join the learner's weight-broadcast group (blocks until every rank has joined). Refused with
         PERMISSION_DENIED when the group is not on the learner's configured weight_sync.master_address.
+        Refused with FAILED_PRECONDITION when the learner speaks another weight-update protocol version.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def StartWeightUpdate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
-        """Receive the tensors described here over the broadcast group (blocks until received).
+        """One whole weight update: pause generation, receive the tensors described here over the
+        broadcast group, load them as `version`, report the digests, resume (blocks until done). The only
+        way weights change; a large group may get the same request announced on Valkey instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FinishWeightUpdate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def PauseGeneration(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """For operators and tools: hold or release generation by hand. Weight updates do not use them.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -144,20 +126,10 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_rollout__pb2.InitWeightTransferResponse.SerializeToString,
             ),
-            'StartWeightUpdate': grpc.unary_unary_rpc_method_handler(
-                    servicer.StartWeightUpdate,
-                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.StartWeightUpdateRequest.FromString,
-                    response_serializer=rlmesh_dot_v1_dot_rollout__pb2.StartWeightUpdateResponse.SerializeToString,
-            ),
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
-            ),
-            'FinishWeightUpdate': grpc.unary_unary_rpc_method_handler(
-                    servicer.FinishWeightUpdate,
-                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.FinishWeightUpdateRequest.FromString,
-                    response_serializer=rlmesh_dot_v1_dot_rollout__pb2.FinishWeightUpdateResponse.SerializeToString,
             ),
             'PauseGeneration': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseGeneration,
@@ -240,33 +212,6 @@ class RolloutService:
             _registered_method=True)
 
     @staticmethod
-    def StartWeightUpdate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlmesh.v1.RolloutService/StartWeightUpdate',
-            rlmesh_dot_v1_dot_rollout__pb2.StartWeightUpdateRequest.SerializeToString,
-            rlmesh_dot_v1_dot_rollout__pb2.StartWeightUpdateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def UpdateWeights(request,
             target,
             options=(),
@@ -283,33 +228,6 @@ class RolloutService:
             '/rlmesh.v1.RolloutService/UpdateWeights',
             rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
             rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FinishWeightUpdate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlmesh.v1.RolloutService/FinishWeightUpdate',
-            rlmesh_dot_v1_dot_rollout__pb2.FinishWeightUpdateRequest.SerializeToString,
-            rlmesh_dot_v1_dot_rollout__pb2.FinishWeightUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,9 @@
 """The broadcaster and the rollout servicer over real gRPC on loopback and a real two-rank gloo
 group, with a stand-in for vLLM's engine that receives exactly as the gloo engine does (join with
 the group secret, bucketed receive, digest of the bytes in the update's algorithm): the digest each
-worker reports in FinishWeightUpdate is what the learner verifies, a rollout server that predates
-the digest_algorithm fields gets sha256, and a foreign weight group is refused."""
+worker reports in its UpdateWeights reply is what the learner verifies, an update is one call per
+server, a server that cannot digest with the configured algorithm gets sha256, and a foreign weight
+group, or one of another weight-update protocol version, is refused."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from rlmesh.rollout_server.service import RolloutService  # noqa: E402
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
 from rlmesh.services.grpc_server import start_server  # noqa: E402
 from rlmesh.services.weights import build_receiver, build_sender  # noqa: E402
-from rlmesh.services.weights.base import Rendezvous  # noqa: E402
+from rlmesh.services.weights.base import PROTOCOL_VERSION, Rendezvous  # noqa: E402
 from rlmesh.services.weights.gloo import join_group, receive  # noqa: E402
 from rlmesh.services.weights.wire import BackgroundDigest, TensorMeta, weights_digest  # noqa: E402
 from rlmesh.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
@@ -62,53 +63,29 @@ class StandInEngine:
         self.calls.append("resume")
 
 
-class OlderRolloutService(RolloutService):
-    """What a rollout server from before the digest_algorithm and combined_pause_resume fields
-    answers: no algorithms and no combined pause in InitWeightTransfer, sha256 digests and no
-    algorithm in FinishWeightUpdate."""
-
-    async def InitWeightTransfer(self, request, context):
-        await super().InitWeightTransfer(request, context)
-        return rollout_pb2.InitWeightTransferResponse()
-
-    async def FinishWeightUpdate(self, request, context):
-        reply = await super().FinishWeightUpdate(request, context)
-        reply.ClearField("digest_algorithm")
-        return reply
-
-
 class CountingRolloutService(RolloutService):
-    """Today's rollout server, counting the control calls it is sent; `single_call=False` answers
-    as one from before single_call_update (it pauses in Start and resumes in Finish, one call each)."""
-
-    single_call = True
+    """Today's rollout server, counting the weight RPCs it is sent."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.received: list[str] = []
-        self._inside_update = None
 
     async def InitWeightTransfer(self, request, context):
-        reply = await super().InitWeightTransfer(request, context)
-        reply.single_call_update = reply.single_call_update and self.single_call
-        return reply
-
-    async def StartWeightUpdate(self, request, context):
-        self.received.append("start" if context is not self._inside_update else "(start)")
-        return await super().StartWeightUpdate(request, context)
+        self.received.append("init")
+        return await super().InitWeightTransfer(request, context)
 
     async def UpdateWeights(self, request, context):
         self.received.append("update")
-        self._inside_update = context  # Start and Finish called from inside UpdateWeights are no RPCs of their own
         return await super().UpdateWeights(request, context)
 
-    async def FinishWeightUpdate(self, request, context):
-        self.received.append("finish" if context is not self._inside_update else "(finish)")
-        return await super().FinishWeightUpdate(request, context)
 
+class OtherProtocolRolloutService(RolloutService):
+    """A rollout server that joins the group but answers with another weight-update protocol version."""
 
-class ThreeCallRolloutService(CountingRolloutService):
-    single_call = False
+    async def InitWeightTransfer(self, request, context):
+        reply = await super().InitWeightTransfer(request, context)
+        reply.protocol_version = PROTOCOL_VERSION + 1
+        return reply
 
 
 async def _plane(engine: StandInEngine, service_cls=RolloutService, **weight_sync):
@@ -140,50 +117,73 @@ async def test_the_learner_verifies_the_digest_each_worker_reports_over_grpc():
             assert broadcaster.last_digest == engine.digest == weights_digest(named, algorithm="blake3")
             assert all(torch.equal(engine.weights[n], t) for n, t in named) and engine.version == version
         assert broadcaster.epoch == 1  # one group, two updates
-        # Paused in StartWeightUpdate and resumed in FinishWeightUpdate: 3 calls a server a step.
-        assert broadcaster.combined and engine.calls == ["pause keep", "resume"] * 2
-        assert "broadcast_pause_s" not in metrics and "broadcast_resume_s" not in metrics
+        # Paused and resumed around each update, inside its one call.
+        assert engine.calls == ["pause keep", "resume"] * 2
     finally:
         await server.stop(0)
 
 
-@pytest.mark.parametrize("service_cls,calls_per_update", [(CountingRolloutService, 1), (ThreeCallRolloutService, 3)])
-async def test_an_update_is_one_control_call_per_server_where_every_member_takes_it(service_cls, calls_per_update):
+async def test_an_update_is_one_control_call_per_server():
     engine = StandInEngine()
-    server, _, broadcaster = await _plane(engine, service_cls)
+    server, _, broadcaster = await _plane(engine, CountingRolloutService)
     try:
         for version in (1, 2):
             named = _named(version)
-            metrics = await broadcaster.broadcast(version, WeightSource.of(named))
-            # The same weights arrive, verified, paused and resumed around them, whatever the call shape.
+            await broadcaster.broadcast(version, WeightSource.of(named))
             assert broadcaster.verified_versions[-1] == version and engine.version == version
-            assert broadcaster.last_digest == weights_digest(named, algorithm="blake3")
             assert all(torch.equal(engine.weights[n], t) for n, t in named)
+        assert server.rollout_service.received == ["init", "update", "update"]
         assert engine.calls == ["pause keep", "resume"] * 2
-        assert broadcaster.single_call == (calls_per_update == 1)
-        received = server.rollout_service.received
-        one_call = ["update", "(start)", "(finish)"]
-        assert received == (one_call * 2 if calls_per_update == 1 else ["start", "update", "finish"] * 2)
-        assert ("broadcast_finish_s" in metrics) == (calls_per_update == 3)
     finally:
         await server.stop(0)
 
 
-class SlowFinishRolloutService(RolloutService):
+async def test_a_rollout_server_of_another_protocol_version_is_dropped_naming_both(caplog):
+    server, membership, broadcaster = await _plane(StandInEngine(), OtherProtocolRolloutService)
+    try:
+        # The run goes on without it (a server that re-registers is tried again at the next update).
+        metrics = await broadcaster.broadcast(1, WeightSource.of(_named(1)))
+        assert metrics["num_generators"] == 0.0 and "gen" not in membership.generators
+        assert broadcaster.verified_versions == [] and not broadcaster.formed
+        assert (f"generator gen left: rollout server gen speaks weight-update protocol version "
+                f"{PROTOCOL_VERSION + 1}, this side version {PROTOCOL_VERSION}") in caplog.text
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("theirs", [0, PROTOCOL_VERSION + 1])
+async def test_the_rollout_service_refuses_a_learner_of_another_protocol_version(theirs):
+    engine = StandInEngine()
+    server, membership, _ = await _plane(engine)
+    try:
+        request = rollout_pb2.InitWeightTransferRequest(
+            backend="gloo", master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=2,
+            group_epoch=1, group_prefix="rlmesh/feed/epoch1", group_secret=b"k" * 32, protocol_version=theirs)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await membership.generators["gen"].stub.InitWeightTransfer(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"this side version {PROTOCOL_VERSION}" in err.value.details()
+        assert ("no version" if theirs == 0 else f"version {theirs}") in err.value.details()
+        assert engine.group is None  # refused before dialling anything
+    finally:
+        await server.stop(0)
+
+
+class SlowFinishEngine(StandInEngine):
     """Finishes an update only once the test lets it (a server still loading the last weights)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.release = asyncio.Event()
 
-    async def FinishWeightUpdate(self, request, context):
+    async def finish_weight_update(self, version: int) -> None:
         await self.release.wait()
-        return await super().FinishWeightUpdate(request, context)
+        await super().finish_weight_update(version)
 
 
 async def test_send_returns_once_the_bytes_are_sent_and_settled_waits_for_every_server():
-    engine = StandInEngine()
-    server, membership, broadcaster = await _plane(engine, SlowFinishRolloutService)
+    engine = SlowFinishEngine()
+    server, membership, broadcaster = await _plane(engine)
     gen = membership.generators["gen"]
     try:
         named = _named(1)
@@ -194,7 +194,7 @@ async def test_send_returns_once_the_bytes_are_sent_and_settled_waits_for_every_
         waiting = asyncio.ensure_future(broadcaster.settled())
         await asyncio.sleep(0.2)
         assert not waiting.done()
-        server.rollout_service.release.set()
+        engine.release.set()
         assert set(await asyncio.wait_for(waiting, 10)) == {"broadcast_transfer_s", "broadcast_load_s",
                                                              "broadcast_verify_s"}
         assert broadcaster.verified_versions == [1] and gen.version == 1 == engine.version
@@ -206,8 +206,8 @@ async def test_send_returns_once_the_bytes_are_sent_and_settled_waits_for_every_
 
 @pytest.mark.parametrize("snapshot", [True, False])
 async def test_a_server_that_fails_after_the_send_is_dropped_and_nothing_is_resent(snapshot):
-    engine = StandInEngine()
-    server, membership, broadcaster = await _plane(engine, SlowFinishRolloutService, snapshot=snapshot)
+    engine = SlowFinishEngine()
+    server, membership, broadcaster = await _plane(engine, snapshot=snapshot)
     try:
         await broadcaster.send(1, WeightSource.of(_named(1)))
         # From a snapshot, send() returns before the bytes move; this is about a server that has them.
@@ -259,17 +259,15 @@ async def test_the_weights_that_arrive_are_those_of_the_version_even_when_the_ne
         await server.stop(0)
 
 
-async def test_a_rollout_server_that_predates_digest_algorithms_is_sent_and_verified_with_sha256():
+async def test_a_rollout_server_without_the_configured_digest_is_sent_and_verified_with_sha256():
     engine = StandInEngine(only_sha256=True)
-    server, _, broadcaster = await _plane(engine, OlderRolloutService)
+    server, _, broadcaster = await _plane(engine)
+    server.rollout_service.weights.receiver.digest_algorithms = ("sha256",)  # no blake3 package there
     try:
         named = _named(1)
         metrics = await broadcaster.broadcast(1, WeightSource.of(named))
         assert metrics["weights_verified"] == 1.0 and broadcaster.digest_algorithm == "sha256"
         assert broadcaster.last_digest == engine.digest == weights_digest(named, algorithm="sha256")
-        # ...and paused and resumed with the calls of their own that such a server expects.
-        assert not broadcaster.combined and engine.calls == ["pause keep", "resume"]
-        assert "broadcast_pause_s" in metrics and "broadcast_resume_s" in metrics
     finally:
         await server.stop(0)
 
@@ -301,7 +299,8 @@ async def test_the_rollout_service_refuses_a_weight_group_on_a_foreign_master():
     try:
         request = rollout_pb2.InitWeightTransferRequest(
             backend="gloo", master_address="203.0.113.9", master_port=29500, rank_offset=1, world_size=2,
-            group_epoch=1, group_prefix="rlmesh/feed/epoch1", group_secret=b"k" * 32)
+            group_epoch=1, group_prefix="rlmesh/feed/epoch1", group_secret=b"k" * 32,
+            protocol_version=PROTOCOL_VERSION)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await membership.generators["gen"].stub.InitWeightTransfer(request, timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
