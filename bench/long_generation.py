@@ -49,7 +49,7 @@ from bench.trl_vs_rlmesh import (_env, check_same_prompts, environment, held_out
 
 def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One warm start, then every side from it, then every checkpoint scored."""
-    from rlmesh.learner.data import load_dataset
+    from rlmesh.learner.data.sources import load_dataset
     from rlmesh.services.config import load_config
 
     seed_set = [f"run.seed={seed}"]

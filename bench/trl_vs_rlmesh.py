@@ -30,7 +30,7 @@ DEMO = REPO / "examples" / "arithmetic_grpo.yaml"
 EVERY = 10  # checkpoint (and evaluation) interval in steps on both sides where the config sets none
 
 if TYPE_CHECKING:
-    from rlmesh.learner.examples import Example
+    from rlmesh.learner.data.examples import Example
     from rlmesh.services.config import RunConfig
 
 
@@ -175,7 +175,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlmesh.learner.data import load_dataset
+    from rlmesh.learner.data.sources import load_dataset
     from rlmesh.services.config import load_config
 
     config = load_config(config_path, list(config_overrides))
@@ -346,7 +346,7 @@ def main() -> None:
                    args.t_launch, args.config, args.trl_set)
         return
 
-    from rlmesh.learner.data import load_dataset
+    from rlmesh.learner.data.sources import load_dataset
     from rlmesh.services.config import load_config
 
     config = load_config(args.config)

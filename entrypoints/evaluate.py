@@ -73,7 +73,7 @@ class _Records:
 
 async def _evaluate(config: RunConfig, port: int, timeout_s: float) -> dict:
     """Serve the stand-in control plane on `port`, wait for the rollout server, run one evaluation."""
-    from rlmesh.learner.data import load_dataset
+    from rlmesh.learner.data.sources import load_dataset
     from rlmesh.learner.evaluator import Evaluator
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.learner.membership import LearnerService, Membership

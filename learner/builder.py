@@ -21,7 +21,7 @@ import uvloop
 
 from rlmesh.learner.admission import Admission
 from rlmesh.learner.controller import Components, Controller, require_model_path
-from rlmesh.learner.data import load_dataset
+from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.membership import LearnerService, Membership

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from google.protobuf.struct_pb2 import Struct
 
-from rlmesh.learner.examples import Example, TrainData, in_order
+from rlmesh.learner.data.examples import Example, TrainData, in_order
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import StreamQueue
 from rlmesh.services.telemetry import group_span

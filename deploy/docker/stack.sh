@@ -7,6 +7,9 @@
 #   deploy/docker/stack.sh up       # images, then `compose up -d`, then where the outputs are
 #                                   # (`up --profile observability`: Prometheus too, on 127.0.0.1:9090)
 #   deploy/docker/stack.sh down     # stop and remove containers, networks and volumes
+#   deploy/docker/stack.sh logs|ps [compose args]   # the stack's logs (`logs -f learner`) or containers
+#   deploy/docker/stack.sh copy-run DIR             # copy the run's outputs out of the learner's volume
+#   deploy/docker/stack.sh follow-up                # print the commands above for this stack (`up` does)
 #
 # Environment: RLMESH_DOCKER_DIR (where a dockerd started here keeps its state, default
 # /tmp/rlmesh-docker), PYTHON (the pip that builds the wheelhouse, default .venv/bin/python),
@@ -117,15 +120,30 @@ up() {
   local profiles=()
   while [ "${1:-}" = --profile ]; do profiles+=(--profile "$2"); shift 2; done
   compose "${profiles[@]}" up -d --no-build "$@"
-  cat >&2 <<EOF
+  follow_up >&2
+}
+
+# What `up` prints: commands that work exactly as printed, from the repository root, in any shell (this
+# script finds the engine and the project name; a project named other than rlmesh is written in).
+follow_up() {
+  local env=""
+  [ "$COMPOSE_PROJECT_NAME" != rlmesh ] && env="COMPOSE_PROJECT_NAME=$COMPOSE_PROJECT_NAME "
+  cat <<EOF
 stack: up. Follow it with:
-  $(engine)
-  export RLMESH_VALKEY_IMAGE=$RLMESH_VALKEY_IMAGE
-  docker-compose logs -f learner          # or: docker-compose ps
+  ${env}deploy/docker/stack.sh logs -f learner          # or: ${env}deploy/docker/stack.sh ps
 stack: the run's outputs (metrics.jsonl, summary.json, reward_curve.png, checkpoints) are in the
   volume ${COMPOSE_PROJECT_NAME}_rlmesh-data under runs/compose; copy them out with
-  docker cp \$(docker-compose ps -q learner):/data/runs/compose ./compose-run
+  ${env}deploy/docker/stack.sh copy-run ./compose-run
 EOF
+}
+
+copy_run() {
+  local dest=${1:?usage: stack.sh copy-run DIR}
+  local learner
+  learner=$(compose ps -q learner)
+  [ -n "$learner" ] || { echo "stack: no learner container in project $COMPOSE_PROJECT_NAME (is the stack up?)" >&2; exit 1; }
+  $DOCKER cp "$learner:/data/runs/compose" "$dest"
+  echo "stack: the run's outputs are in $dest" >&2
 }
 
 cmd=${1:-}
@@ -138,5 +156,11 @@ case "$cmd" in
   down) eval "$(engine)"; RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE} \
     RLMESH_PROMETHEUS_IMAGE=${RLMESH_PROMETHEUS_IMAGE:-$PROMETHEUS_IMAGE} \
     compose --profile observability down -v --remove-orphans "$@" ;;
-  *) echo "usage: $0 engine|images|up|down [compose args]" >&2; exit 2 ;;
+  # Follow-ups: the secrets above are made up when unset, which logs and ps never use.
+  logs|ps) eval "$(engine)"; RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE} \
+    RLMESH_PROMETHEUS_IMAGE=${RLMESH_PROMETHEUS_IMAGE:-$PROMETHEUS_IMAGE} compose "$cmd" "$@" ;;
+  copy-run) eval "$(engine)"; RLMESH_VALKEY_IMAGE=${RLMESH_VALKEY_IMAGE:-$VALKEY_IMAGE} \
+    RLMESH_PROMETHEUS_IMAGE=${RLMESH_PROMETHEUS_IMAGE:-$PROMETHEUS_IMAGE} copy_run "$@" ;;
+  follow-up) follow_up ;;
+  *) echo "usage: $0 engine|images|up|down|logs|ps|copy-run|follow-up [args]" >&2; exit 2 ;;
 esac

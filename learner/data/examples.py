@@ -1,5 +1,5 @@
-"""What a prompt dataset holds, whichever kind loaded it (`rlmesh.learner.data`,
-`rlmesh.learner.hf_data`): an `Example` carries the chat messages to send and an opaque metadata
+"""What a prompt dataset holds, whichever kind loaded it (`rlmesh.learner.data.sources`,
+`rlmesh.learner.data.hf`): an `Example` carries the chat messages to send and an opaque metadata
 dict for its environment (the learner never looks inside). Training examples are read in one order
 given by a cursor (`TrainData.at`), so a cursor saved in a checkpoint resumes exactly."""
 

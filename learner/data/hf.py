@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.learner.examples import Example, TrainOrder, assistant_turn
+from rlmesh.learner.data.examples import Example, TrainOrder, assistant_turn
 from rlmesh.services.config import HFDataSection
 
 if TYPE_CHECKING:

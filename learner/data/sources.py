@@ -1,5 +1,5 @@
 """Prompt datasets: generated arithmetic problems, JSONL files, or anything Hugging Face `datasets`
-reads (`rlmesh.learner.hf_data`), as `Example`s in a training order (`rlmesh.learner.examples`)."""
+reads (`rlmesh.learner.data.hf`), as `Example`s in a training order (`rlmesh.learner.data.examples`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 
-from rlmesh.learner.examples import Example, TrainData, TrainOrder, assistant_turn
+from rlmesh.learner.data.examples import Example, TrainData, TrainOrder, assistant_turn
 from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
                                     JsonlDataSection)
 from rlmesh.domain.tasks import ADD_TOOL, calculator_prompt
@@ -105,7 +105,7 @@ def load_dataset(cfg: DataSection, seed: int) -> tuple[TrainData, list[Example]]
     """(train, eval) examples; the built-in kinds and JSONL files keep their order (a TrainOrder
     without shuffling), `data.type: hf` shuffles per epoch unless `data.shuffle=false`."""
     if isinstance(cfg, HFDataSection):
-        from rlmesh.learner.hf_data import load_hf
+        from rlmesh.learner.data.hf import load_hf
 
         return load_hf(cfg, seed)
     if isinstance(cfg, ArithmeticDataSection):

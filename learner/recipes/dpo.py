@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rlmesh.learner.train.batch import MicroBatch, Sequence, plan_step
-from rlmesh.learner.data import load_dataset
-from rlmesh.learner.examples import Example, TrainOrder
+from rlmesh.learner.data.sources import load_dataset
+from rlmesh.learner.data.examples import Example, TrainOrder
 from rlmesh.learner.recipes.offline import stage_metrics, train_offline
 from rlmesh.learner.recipes.sft import prepare_model, run_sft
 from rlmesh.domain.chat import ChatCodec

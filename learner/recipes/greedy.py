@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlmesh.learner.examples import Example
+from rlmesh.learner.data.examples import Example
 from rlmesh.domain.chat import ChatCodec
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rlmesh.learner.metrics import MetricsWriter
 
 if TYPE_CHECKING:
-    from rlmesh.learner.examples import Example, TrainData
+    from rlmesh.learner.data.examples import Example, TrainData
     from rlmesh.learner.train.trainer import Trainer
     from rlmesh.services.config import DPOSection, RunConfig, SFTSection
 
@@ -44,7 +44,7 @@ def train_offline(trainer: Trainer, examples: TrainData | list[Example], rng: ra
     evaluation's record (None without `evaluate`)."""
     from tqdm import tqdm
 
-    from rlmesh.learner.examples import in_order
+    from rlmesh.learner.data.examples import in_order
 
     data = in_order(examples)
     if show_progress is None:

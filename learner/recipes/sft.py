@@ -11,7 +11,7 @@ import logging
 import random
 from pathlib import Path
 
-from rlmesh.learner.data import load_dataset
+from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.recipes.offline import stage_metrics, train_offline
 from rlmesh.domain.chat import ChatCodec
 from rlmesh.services.config import HFModelSection, LoRASection, RunConfig

@@ -210,6 +210,7 @@ def run(tmp_path_factory):
         stack.docker("cp", f"{learner}:/data/runs/compose", str(out_dir / "run"))
         events["run_dir"] = out_dir / "run"
         events["logs"] = stack.logs()
+        events["follow_up"] = _run_follow_ups()
     finally:
         stack.compose("down", "-v", "--remove-orphans")
     label = f"label=com.docker.compose.project={PROJECT}"
@@ -220,6 +221,39 @@ def run(tmp_path_factory):
         "processes": _processes_in(ids),
     }
     return events
+
+
+def _run_follow_ups() -> dict[str, tuple[int, str]]:
+    """Every command `stack.sh up` prints to follow the stack, run exactly as printed (from the repository
+    root, in a shell with no DOCKER_HOST or secrets of the test's); its exit code and output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DOCKER_", "RLMESH_", "COMPOSE_"))}
+    printed = subprocess.run([str(STACK), "follow-up"], capture_output=True, text=True, check=True,
+                             env={**env, "COMPOSE_PROJECT_NAME": PROJECT}).stdout
+    commands = [part.strip().removeprefix("or:").strip() for line in printed.splitlines()
+                if "deploy/docker/stack.sh" in line for part in line.split("#")]
+    results = {}
+    for command in commands:
+        try:
+            out = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True,
+                                 timeout=30)
+            results[command] = (out.returncode, out.stdout + out.stderr)
+        except subprocess.TimeoutExpired as err:  # `logs -f` of a stack still running follows it
+            results[command] = (0, f"{err.stdout or ''}{err.stderr or ''}")
+    copied = REPO / "compose-run"
+    results["copied metrics.jsonl"] = (0 if (copied / "metrics.jsonl").is_file() else 1, str(copied))
+    shutil.rmtree(copied, ignore_errors=True)
+    return results
+
+
+def test_the_commands_printed_to_follow_the_stack_work_as_printed(run):
+    follow_up = run["follow_up"]
+    assert len(follow_up) == 4, follow_up  # logs -f, ps, copy-run, and what copy-run wrote
+    for command, (code, out) in follow_up.items():
+        assert code == 0, f"{command!r} failed as printed:\n{out}"
+    logs = next(out for command, (_, out) in follow_up.items() if " logs -f learner" in command)
+    assert "learner" in logs and len(logs.splitlines()) > 5, logs
+    ps = next(out for command, (_, out) in follow_up.items() if command.endswith(" ps"))
+    assert "learner" in ps and "rollout" in ps, ps
 
 
 def test_the_stack_runs_two_rollout_replicas_and_learns(run):

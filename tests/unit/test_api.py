@@ -154,7 +154,7 @@ def test_reward_fn_becomes_the_datasets_environment():
     data = cfg.model_dump(mode="json")
     data["reward"]["functions"][REWARD_FN_ENV] = reward_fn_import_path(top_level_reward)[0]
     data["data"]["env_name"] = REWARD_FN_ENV
-    from rlmesh.learner.data import load_dataset
+    from rlmesh.learner.data.sources import load_dataset
     from rlmesh.services.config import validate_config
 
     train, held_out = load_dataset(validate_config(data).data, 0)

@@ -20,9 +20,9 @@ OLD_TOP_LEVEL = ("services", "learner", "rollout_server", "reward_server", "entr
 
 V1, DOMAIN, SERVICES = "rlmesh.v1", "rlmesh.domain", "rlmesh.services"
 ENGINE = "rlmesh.learner.train"
-# examples.py, data.py and hf_data.py (`data.type: hf`) are one concept: the examples every recipe and the
+# data/ (examples, sources, hf for `data.type: hf`) is one concept: the examples every recipe and the
 # RL service read.
-DATA = ("rlmesh.learner.examples", "rlmesh.learner.data", "rlmesh.learner.hf_data")
+DATA = ("rlmesh.learner.data",)
 # The experiment trackers take the metrics records of the RL learner and of the offline recipes alike.
 TRACKERS = "rlmesh.learner.trackers"
 LEARNER_SHARED = (*DATA, "rlmesh.learner.metrics", TRACKERS)
@@ -34,9 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rlmesh.services", (V1, SERVICES)),
     ("rlmesh.learner.train", (V1, DOMAIN, SERVICES, ENGINE)),
     ("rlmesh.learner.devtools", (V1, DOMAIN, SERVICES, "rlmesh.learner.devtools")),
-    ("rlmesh.learner.examples", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.data", (V1, DOMAIN, SERVICES, *DATA)),
-    ("rlmesh.learner.hf_data", (V1, DOMAIN, SERVICES, *DATA)),
     ("rlmesh.learner.metrics", (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics")),
     # the Prometheus hook polls the RL learner's issuer and queues: part of the RL service
     ("rlmesh.learner.trackers.prometheus", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED, "rlmesh.learner")),

@@ -18,7 +18,7 @@ DPO_METRICS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_re
 
 
 class PreferenceExample(Protocol):
-    """What DPO reads of a dataset example (`rlmesh.learner.data.Example`)."""
+    """What DPO reads of a dataset example (`rlmesh.learner.data.examples.Example`)."""
 
     id: str
     prompt_messages: list[dict[str, str]]

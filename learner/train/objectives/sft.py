@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class SFTExample(Protocol):
-    """What SFT reads of a dataset example (`rlmesh.learner.data.Example`)."""
+    """What SFT reads of a dataset example (`rlmesh.learner.data.examples.Example`)."""
 
     id: str
     prompt_messages: list[dict[str, str]]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.learner.admission import Admission
-from rlmesh.learner.examples import Example
+from rlmesh.learner.data.examples import Example
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.validation import Bounds
 from rlmesh.v1 import common_pb2

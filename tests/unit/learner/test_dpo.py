@@ -57,7 +57,7 @@ def test_an_odd_micro_batch_is_a_clear_error():
 
 
 def test_jsonl_pairs_take_strings_and_trl_conversations(tmp_path):
-    from rlmesh.learner.data import load_dataset
+    from rlmesh.learner.data.sources import load_dataset
     from rlmesh.services.config import load_config
 
     rows = [{"prompt": "2+2=", "chosen": "4", "rejected": "5", "answer": "4"},

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlmesh.domain.pass_at_k import pass_at_k
-from rlmesh.learner.examples import Example
+from rlmesh.learner.data.examples import Example
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.services.config import load_config
 from rlmesh.v1 import common_pb2

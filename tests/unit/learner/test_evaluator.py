@@ -4,7 +4,7 @@ cut off by the turn budget counts as wrong instead of switching the record to me
 import asyncio
 from types import SimpleNamespace
 
-from rlmesh.learner.examples import Example
+from rlmesh.learner.data.examples import Example
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.v1 import common_pb2
 

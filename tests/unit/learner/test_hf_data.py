@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.learner.data import load_dataset
-from rlmesh.learner.examples import TrainOrder
-from rlmesh.learner.hf_data import StreamOrder
+from rlmesh.learner.data.sources import load_dataset
+from rlmesh.learner.data.examples import TrainOrder
+from rlmesh.learner.data.hf import StreamOrder
 from rlmesh.services.config import load_config
 
 SAMPLE = Path(__file__).resolve().parents[3] / "examples/data/gsm8k_sample"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from rlmesh.learner.admission import Admission
-from rlmesh.learner.examples import Example
+from rlmesh.learner.data.examples import Example
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.reader import TrajectoryReader
 from rlmesh.learner.validation import Bounds

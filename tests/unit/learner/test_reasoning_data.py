@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlmesh.learner.data import load_dataset
+from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.train.objectives.sft import sft_target
 from rlmesh.reward_server.environments.math import equivalent, extract_answer, reference_answer
 from rlmesh.services.config import load_config

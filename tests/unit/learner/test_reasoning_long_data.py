@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from rlmesh.learner.data import load_dataset
+from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.devtools.tiny_model import build_tokenizer
 from rlmesh.reward_server.environments.math import equivalent, extract_answer, reference_answer
 from rlmesh.services.config import load_config

@@ -4,7 +4,7 @@ skips the tool."""
 
 import random
 
-from rlmesh.learner.data import load_dataset
+from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.train.objectives.sft import SFTObjective
 from rlmesh.learner.devtools.tiny_model import build_tokenizer
 from rlmesh.domain.chat import ChatCodec

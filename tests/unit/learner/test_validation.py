@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlmesh.learner.admission import Admission
-from rlmesh.learner.examples import Example
+from rlmesh.learner.data.examples import Example
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.validation import Bounds
