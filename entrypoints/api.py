@@ -307,9 +307,11 @@ def dpo(config: ConfigLike = None, *, output: str | os.PathLike[str], overrides:
     return json.loads((Path(output) / "summary.json").read_text())
 
 
-def export(run_dir: str | os.PathLike[str], *, output: str | os.PathLike[str], step: int | None = None) -> Path:
+def export(run_dir: str | os.PathLike[str], *, output: str | os.PathLike[str], step: int | None = None,
+           dtype: str = "auto") -> Path:
     """An HF model directory at `output` from a run's checkpoint (the newest, or the one at `step`),
-    as `rlmesh export`; returns it. Raises ValueError when there is no such checkpoint."""
+    as `rlmesh export` (`dtype`: auto, float32, bfloat16 or float16); returns it. Raises ValueError when
+    there is no such checkpoint."""
     from rlmesh.learner.train.checkpoint import export_hf, find_checkpoint
 
-    return export_hf(find_checkpoint(Path(run_dir), step), Path(output))
+    return export_hf(find_checkpoint(Path(run_dir), step), Path(output), dtype=dtype)

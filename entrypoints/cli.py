@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 _EXAMPLES = """examples:
@@ -288,6 +289,7 @@ def _export(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"rlmesh export: {err}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.WARNING, format="rlmesh export: %(message)s")
     out = export_hf(checkpoint, Path(args.output), merge=args.merge, dtype=args.dtype)
     print(f"rlmesh export: {checkpoint} -> {out}")
     return 0

@@ -40,7 +40,8 @@ def resolve_model(spec: str, workdir: Path) -> Path:
     checkpoint = find_checkpoint(root, int(step) if step else None)
     if (checkpoint / "model" / "config.json").is_file():
         return checkpoint / "model"
-    return export_hf(checkpoint, workdir / f"model_{checkpoint.name}")
+    # float32: what the learner trained, not its weights rounded to the starting model's dtype.
+    return export_hf(checkpoint, workdir / f"model_{checkpoint.name}", dtype="float32")
 
 
 class _Reader:

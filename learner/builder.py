@@ -57,6 +57,23 @@ def torch_thread() -> TorchRunner:
     return run
 
 
+def sampler_precision_warning(cfg: RunConfig) -> str:
+    """Why the sampler may not see the learner's updates, or "": vLLM serving 16-bit weights of a policy the
+    learner computes in float32. The served weights are the float32 master weights rounded to 16 bits; an
+    update smaller than half a bf16 step (2^-9 of the weight, ~0.2%) rounds back to the weight it was, so the
+    sampler stays near the starting policy while the learner's moves. Measured on SmolLM2-135M (lr 1e-5, 16
+    steps): 94% of the weights rounded back to their starting value, and the on-policy mismatch grew from 1e-3
+    to 4e-2 in 4 steps at lr 2e-5 (docs/real-model.md)."""
+    served, computed = cfg.rollout.dtype, cfg.learner.backend.param_dtype
+    if cfg.learner.lora.rank or served not in ("bfloat16", "float16") or computed != "float32":
+        return ""
+    return (f"rollout.dtype={served} with learner.backend.param_dtype=float32: vLLM samples from the weights "
+            f"rounded to {served}, which small updates do not change, while the learner computes with them "
+            f"unrounded; the sampler lags the learner (watch mismatch_kl in metrics.jsonl). Set "
+            "learner.backend.param_dtype=bfloat16 with rollout.dtype=bfloat16 (both sides then compute with the same "
+            "rounded weights), or rollout.dtype=float32")
+
+
 async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple[Controller, Server]:
     """The controller, resumed from the run's newest checkpoint if there is one, and its running
     control-plane server (port 0: any free port)."""
@@ -113,6 +130,8 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
                                 insecure=cfg.network.insecure, policy=POLICY,
                                 limits=ServerLimits.from_config(cfg.network, "learner"))
     log.info("learner control plane on port %d (run %s, %d training rank(s))", server.port, run_id, trainer.world_size)
+    if (warning := sampler_precision_warning(cfg)):
+        log.warning("%s", warning)
     await controller.resume()
     return controller, server
 

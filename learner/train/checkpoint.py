@@ -15,6 +15,7 @@ Written to a temporary directory and renamed into place, so a checkpoint exists 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -79,6 +80,8 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     return path
 
 
+log = logging.getLogger(__name__)
+
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -113,12 +116,48 @@ def export_hf(checkpoint: Path, output: Path, merge: bool = False, dtype: str = 
         model.load_state_dict(state["model"])
         if adapter.is_dir():
             model = model.merge_and_unload()
+        if dtype in ("bfloat16", "float16"):
+            warn_if_rounded_back(model.state_dict(), checkpoint, dtype)
         model.to(getattr(torch, dtype))
         model.save_pretrained(output, safe_serialization=True)
     for f in hf.iterdir():
         if f.name != "config.json":
             shutil.copy2(f, output / f.name)
     return output
+
+
+def warn_if_rounded_back(state: dict[str, Any], checkpoint: Path, dtype: str) -> float | None:
+    """Warn when rounding the trained float32 weights to `dtype` puts most of them back where the run started
+    (updates smaller than half a 16-bit step vanish: after a short RL run at lr 1e-5, 94% of SmolLM2's weights
+    did, and the export's greedy answers were the learner's on 0 of 8 prompts, against 8 of 8 in float32).
+    Compares with the run's starting model when its directory is still there; returns the fraction, or None."""
+    import torch
+    from safetensors import safe_open
+
+    try:
+        import yaml
+
+        run_config = yaml.safe_load((checkpoint.parent.parent / "config.resolved.yaml").read_text())
+        start = Path(run_config["model"]["path"])
+        files = sorted(start.glob("*.safetensors"))
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    same = total = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if name in state and list(state[name].shape) == list(f.get_slice(name).get_shape()):
+                    target = getattr(torch, dtype)
+                    same += int((state[name].to(target) == f.get_tensor(name).to(target)).sum())
+                    total += state[name].numel()
+    if not total:
+        return None
+    fraction = same / total
+    if fraction > 0.5:
+        log.warning("%.0f%% of the weights round back to the starting model's (%s) in %s: most of what the run "
+                    "learned is below %s's precision and this export loses it. Export with --dtype float32 to keep "
+                    "the learner's weights exactly.", 100 * fraction, start, dtype, dtype)
+    return fraction
 
 
 def export_dtype(config: Any, asked: str) -> str:
