@@ -63,12 +63,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
     async def InitWeightTransfer(self, request, context):
         try:
             return await self.weights.join(request)
-        except ProtocolMismatch as err:
+        except (ProtocolMismatch, PermissionError) as err:
             log.warning("refused InitWeightTransfer from %s: %s", context.peer(), err)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        except PermissionError as err:
-            log.warning("refused InitWeightTransfer from %s: %s", context.peer(), err)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+            refused = isinstance(err, PermissionError)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED if refused else grpc.StatusCode.FAILED_PRECONDITION,
+                                str(err))
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rlmesh.learner.train.trainer import Trainer
 
+log = logging.getLogger(__name__)
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -79,8 +81,6 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
         raise ValueError(f"no checkpoint for step {step} in {root} (have: {have})")
     return path
 
-
-log = logging.getLogger(__name__)
 
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -142,12 +142,12 @@ def warn_if_rounded_back(state: dict[str, Any], checkpoint: Path, dtype: str) ->
         files = sorted(start.glob("*.safetensors"))
     except (OSError, KeyError, TypeError, ValueError):
         return None
+    target = getattr(torch, dtype)
     same = total = 0
     for file in files:
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
                 if name in state and list(state[name].shape) == list(f.get_slice(name).get_shape()):
-                    target = getattr(torch, dtype)
                     same += int((state[name].to(target) == f.get_tensor(name).to(target)).sum())
                     total += state[name].numel()
     if not total:
