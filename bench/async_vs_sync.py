@@ -26,7 +26,7 @@ def run(k: int, seed: int, steps: int, eval_every: int, extra: list[str], out: P
     from rlmesh.learner.metrics import read_metrics
 
     run_dir = out / f"k{k}-seed{seed}"
-    cmd = [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(REPO / "examples/arithmetic_grpo.yaml"),
+    cmd = [sys.executable, "-m", "rlmesh.cli", "up", "-c", str(REPO / "examples/arithmetic_grpo.yaml"),
            "--run-dir", str(run_dir), "logging.progress=false", f"algorithm.max_staleness={k}", f"run.seed={seed}",
            f"learner.num_steps={steps}", f"learner.eval_every={eval_every}", *extra]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},

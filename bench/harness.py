@@ -48,7 +48,7 @@ async def rollout_harness(model_dir: Path, tmp: Path, *, rollout: dict | None = 
            "rollout": rollout or {}, **(config or {})}
     (tmp / "bench.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cli = [sys.executable, "-m", "rlmesh.entrypoints.cli"]
+    cli = [sys.executable, "-m", "rlmesh.cli"]
     procs = []
     if with_reward:
         procs.append(subprocess.Popen([*cli, "reward", "-c", str(tmp / "bench.yaml"), "--port", str(reward_port)],

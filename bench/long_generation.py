@@ -62,7 +62,7 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if not (warm / "config.json").is_file():
         print(f"seed {seed}: warm start (rlmesh sft -c {args.config} run.seed={seed})", flush=True)
         with open(work / "sft.log", "w") as log:
-            subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "sft", "-c", str(args.config), "--output",
+            subprocess.run([sys.executable, "-m", "rlmesh.cli", "sft", "-c", str(args.config), "--output",
                             str(warm), *seed_set], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
     sft_s = time.time() - t0
     check_same_prompts(warm, eval_set)

@@ -92,7 +92,7 @@ def warm_start(out: Path) -> Path:
     import yaml
 
     model = out / "sft_model"
-    subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "sft", "-c", str(CONFIG), "--output", str(model)],
+    subprocess.run([sys.executable, "-m", "rlmesh.cli", "sft", "-c", str(CONFIG), "--output", str(model)],
                    check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     config = yaml.safe_load(CONFIG.read_text())
@@ -111,7 +111,7 @@ def run(side: str, seed: int, steps: int, config: Path, out: Path, receiver: Rec
     if side.startswith("on"):
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_port}", WANDB_MODE="offline",
                    WANDB_SILENT="true")
-    cmd = [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(config), "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "rlmesh.cli", "up", "-c", str(config), "--run-dir", str(run_dir),
            "logging.progress=false", f"run.seed={seed}", f"learner.num_steps={steps}", *SIDES[side]]
     spans0, load0 = receiver.num_spans, os.getloadavg()[0]
     stop, scrapes = threading.Event(), {}

@@ -31,9 +31,10 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Where each `rlmesh.<name>` package lives in a checkout (pyproject's package-dir).
-PACKAGES = {"entrypoints": "entrypoints", "learner": "learner", "reward_server": "reward_server",
-            "rollout_server": "rollout_server", "services": "services"}
+# Where each `rlmesh.<name>` package lives in a checkout (pyproject's package-dir). Since the package
+# root moved to entrypoints/ its modules sit at the root; older trees kept the root in proto/rlmesh/.
+PACKAGES = {"learner": "learner", "reward_server": "reward_server", "rollout_server": "rollout_server",
+            "services": "services"}
 # (event, log file, pattern): the first line of the log matching the pattern.
 LOG_EVENTS = [
     ("valkey ready", "up.out", r"embedded valkey serving"),
@@ -43,17 +44,20 @@ LOG_EVENTS = [
     ("learner serving", "logs/learner.log", r"learner control plane on port"),
     ("v0 weights in rollout", "logs/rollout-0.log", r"serving prompts|readiness: SERVING"),
 ]
-SERVICE = re.compile(r"rlmesh\.entrypoints\.cli (sft|tiny-model|reward|learner|rollout)\b")
+SERVICE = re.compile(r"rlmesh(?:\.entrypoints)?\.cli (sft|tiny-model|reward|learner|rollout)\b")
 
 
 def shim(tree: Path, where: Path) -> Path:
     """A directory whose `rlmesh` package is `tree`'s code (symlinks), to put first on PYTHONPATH."""
     pkg = where / "rlmesh"
     pkg.mkdir(parents=True)
-    for entry in (tree / "proto" / "rlmesh").iterdir():
+    old_layout = (tree / "proto" / "rlmesh" / "__init__.py").exists()
+    root = tree / "proto" / "rlmesh" if old_layout else tree / "entrypoints"
+    for entry in root.iterdir():
         if entry.name != "__pycache__":
             (pkg / entry.name).symlink_to(entry)
-    for name, folder in PACKAGES.items():
+    folders = {**PACKAGES, "entrypoints": "entrypoints"} if old_layout else {**PACKAGES, "v1": "proto/rlmesh/v1"}
+    for name, folder in folders.items():
         (pkg / name).symlink_to(tree / folder)
     return where
 
@@ -70,7 +74,7 @@ def run_once(tree: Path, work: Path, name: str, cache: Path, num_steps: int, con
     env = {**os.environ, "PYTHONPATH": f"{shim(tree, work / f'{name}-shim')}{os.pathsep}{tree}",
            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton"), "RLMESH_CACHE_DIR": str(cache / "rlmesh")}
-    cmd = [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(tree / config), "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "rlmesh.cli", "up", "-c", str(tree / config), "--run-dir", str(run_dir),
            "logging.progress=false", f"learner.num_steps={num_steps}", "learner.eval_every=0"]
     day = time.strftime("%Y-%m-%d")
     load = os.getloadavg()[0]

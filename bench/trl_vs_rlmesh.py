@@ -107,7 +107,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     run_dir = work / name
     t_launch = time.time()
     with open(work / f"{name}.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
+        subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
                         "logging.progress=false", *overrides], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
     t_end = time.time()
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -277,10 +277,10 @@ def score_side(side: dict, start_acc: float, warm: Path, eval_set: list[Example]
 
 
 def check_same_prompts(warm: Path, eval_set: list[Example]) -> None:
-    """rlmesh renders prompts with rlmesh.domain.chat.ChatCodec; TRL with `apply_chat_template`: same ids."""
+    """rlmesh renders prompts with rlmesh.services.domain.chat.ChatCodec; TRL with `apply_chat_template`: same ids."""
     from transformers import AutoTokenizer
 
-    from rlmesh.domain.chat import ChatCodec
+    from rlmesh.services.domain.chat import ChatCodec
 
     tok = AutoTokenizer.from_pretrained(str(warm))
     codec = ChatCodec(tok)
@@ -358,7 +358,7 @@ def main() -> None:
     t0 = time.time()
     if not (warm / "config.json").is_file():
         print(f"warm start: rlmesh sft on {args.config}", flush=True)
-        subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "sft", "-c", str(args.config), "--output",
+        subprocess.run([sys.executable, "-m", "rlmesh.cli", "sft", "-c", str(args.config), "--output",
                         str(warm)],
                        check=True, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sft_s = time.time() - t0

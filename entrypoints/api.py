@@ -246,7 +246,7 @@ def train(config: ConfigLike = None, *, reward_fn: Callable[..., Any] | str | No
         if root is not None:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
 
-    from rlmesh.entrypoints.up import new_run_dir, run_up
+    from rlmesh.up import new_run_dir, run_up
 
     run_dir = new_run_dir(cfg).resolve()
     dispatcher = _Dispatcher(callbacks, run_dir)
@@ -277,7 +277,7 @@ def _run_recipe(command: str, cfg: RunConfig, output: str | os.PathLike[str]) ->
     with tempfile.TemporaryDirectory(prefix="rlmesh-") as tmp:
         config_path = Path(tmp) / "config.yaml"
         dump_config(cfg, config_path)
-        argv = [sys.executable, "-m", "rlmesh.entrypoints.cli", command, "-c", str(config_path),
+        argv = [sys.executable, "-m", "rlmesh.cli", command, "-c", str(config_path),
                 "--output", str(output)]
         code = subprocess.run(argv, check=False).returncode
     if code != 0:

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tls-init":
         return _tls_init(args)
     if args.command == "status":
-        from rlmesh.entrypoints.status import run_status
+        from rlmesh.status import run_status
 
         return run_status(args)
     from rlmesh.services.config import ConfigError, load_config
@@ -180,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlmesh {args.command}: {problem}", file=sys.stderr)
             return 2
     if args.command == "eval":
-        from rlmesh.entrypoints.evaluate import run_eval
+        from rlmesh.evaluate import run_eval
 
         return run_eval(config, args)
     if args.command == "up":
-        from rlmesh.entrypoints.up import run_up
+        from rlmesh.up import run_up
 
         return run_up(config, args)
     if args.command == "reward":

@@ -126,8 +126,8 @@ def table(record: dict) -> str:
 
 
 def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
-    from rlmesh.entrypoints.processes import Mesh
-    from rlmesh.entrypoints.up import _pass_secrets, _wait_serving
+    from rlmesh.processes import Mesh
+    from rlmesh.up import _pass_secrets, _wait_serving
     from rlmesh.services.ports import free_port
 
     output = Path(args.output or Path(config.run.output_dir) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")

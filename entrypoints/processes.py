@@ -54,7 +54,7 @@ class Mesh:
     @staticmethod
     def _popen(argv: list[str], launcher: list[str] | None, log_path: Path,
                env: dict[str, str] | None) -> subprocess.Popen:
-        cmd = [sys.executable, *(launcher or []), "-m", "rlmesh.entrypoints.cli", *argv]
+        cmd = [sys.executable, *(launcher or []), "-m", "rlmesh.cli", *argv]
         return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=os.getcwd(), env={**os.environ, **env} if env else None)
 

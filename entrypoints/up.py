@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlmesh.entrypoints.processes import Mesh, Service
+from rlmesh.processes import Mesh, Service
 from rlmesh.services.config import NetworkSection, RunConfig, dump_config
 from rlmesh.services.ports import free_port
 from rlmesh.services.retry import Backoff

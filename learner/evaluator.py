@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rlmesh.domain.pass_at_k import mean_pass_at_k
+from rlmesh.services.domain.pass_at_k import mean_pass_at_k
 from rlmesh.learner.data.examples import Example
 from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.v1 import common_pb2

@@ -46,7 +46,7 @@ from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionTab
 from rlmesh.services.auth import TLSFiles, peer_tier
 from rlmesh.services.config import RewardSection
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from rlmesh.domain.chat import as_dicts as to_messages
+from rlmesh.services.domain.chat import as_dicts as to_messages
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.v1 import common_pb2, reward_pb2
-from rlmesh.domain.chat import ChatCodec, as_dicts
+from rlmesh.services.domain.chat import ChatCodec, as_dicts
 from rlmesh.rollout_server.reward_client import UNREACHABLE
 from rlmesh.services.grpc_client import rpc_problem
 from rlmesh.services.retry import retry

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlmesh.domain.chat import ChatCodec, as_dicts
+from rlmesh.services.domain.chat import ChatCodec, as_dicts
 from rlmesh.v1 import common_pb2
 from rlmesh.services.affinity import pin_to_cores
 

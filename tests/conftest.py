@@ -45,7 +45,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
 
 def rlmesh_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rlmesh.entrypoints.cli", *args]
+    return [sys.executable, "-m", "rlmesh.cli", *args]
 
 
 @pytest.fixture

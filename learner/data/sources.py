@@ -10,7 +10,7 @@ from pathlib import Path
 from rlmesh.learner.data.examples import Example, TrainData, TrainOrder, assistant_turn
 from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
                                     JsonlDataSection)
-from rlmesh.domain.tasks import ADD_TOOL, calculator_prompt
+from rlmesh.services.domain.tasks import ADD_TOOL, calculator_prompt
 
 
 def _arithmetic(cfg: ArithmeticDataSection, seed: int) -> tuple[list[Example], list[Example]]:

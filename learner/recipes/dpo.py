@@ -31,7 +31,7 @@ from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.data.examples import Example, TrainOrder
 from rlmesh.learner.recipes.offline import stage_metrics, train_offline
 from rlmesh.learner.recipes.sft import prepare_model, run_sft
-from rlmesh.domain.chat import ChatCodec
+from rlmesh.services.domain.chat import ChatCodec
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlmesh.learner.data.examples import Example
-from rlmesh.domain.chat import ChatCodec
+from rlmesh.services.domain.chat import ChatCodec
 
 
 def greedy_completions(model_dir: Path | str, examples: list[Example], max_tokens: int,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.recipes.offline import stage_metrics, train_offline
-from rlmesh.domain.chat import ChatCodec
+from rlmesh.services.domain.chat import ChatCodec
 from rlmesh.services.config import HFModelSection, LoRASection, RunConfig
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ completion was right even when the format was not."""
 
 from __future__ import annotations
 
-from rlmesh.domain.scoring import as_int, score_integer
+from rlmesh.services.domain.scoring import as_int, score_integer
 from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
 
 

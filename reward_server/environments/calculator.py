@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlmesh.domain.scoring import as_int, score_integer
-from rlmesh.domain.tasks import ADD_TOOL, calculator_prompt
+from rlmesh.services.domain.scoring import as_int, score_integer
+from rlmesh.services.domain.tasks import ADD_TOOL, calculator_prompt
 from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
 from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
 

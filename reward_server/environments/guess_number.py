@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from rlmesh.domain.scoring import as_int, first_integer
+from rlmesh.services.domain.scoring import as_int, first_integer
 from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
 
 

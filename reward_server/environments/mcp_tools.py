@@ -32,7 +32,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.domain.scoring import as_int, score_integer
+from rlmesh.services.domain.scoring import as_int, score_integer
 from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, load_callable
 from rlmesh.reward_server.environments.loop_thread import LoopThread
 from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls

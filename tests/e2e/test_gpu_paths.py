@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _up(run_dir: Path, *overrides: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(REPO / "examples/arithmetic_grpo.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "-c", str(REPO / "examples/arithmetic_grpo.yaml"),
                            "--run-dir", str(run_dir), "logging.progress=false", *overrides], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -35,7 +35,7 @@ class Up:
         self.run_dir = run_dir
         self.out_path = run_dir.parent / f"{run_dir.name}.out"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", str(REPO / config),
+            [sys.executable, "-m", "rlmesh.cli", "up", "-c", str(REPO / config),
              "--run-dir", str(run_dir), "logging.progress=false", *overrides],
             stdout=self.out_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -201,7 +201,7 @@ class _Tree:
 
 def test_the_tool_use_demo_learns_under_mutual_tls_and_strangers_are_refused(tmp_path):
     good, foreign, run_dir = tmp_path / "certs", tmp_path / "foreign", tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "tls-init", "--output", str(good)], check=True,
+    subprocess.run([sys.executable, "-m", "rlmesh.cli", "tls-init", "--output", str(good)], check=True,
                    cwd=REPO, capture_output=True)
     make_certificates(foreign)
     mesh_client = _credentials(good, good / "ca.crt", "rollout")
@@ -212,7 +212,7 @@ def test_the_tool_use_demo_learns_under_mutual_tls_and_strangers_are_refused(tmp
         # flat (0.05) but what RL made of it varied: held-out 0.20 -> 0.975 and 0.10 -> 0.925 in two
         # runs, 0.025 -> 0.15 in a third (tool calls 0.13 -> 1.0: it learned to call, not yet to
         # answer from the result).
-        [sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "-c", "examples/tool_use_grpo.yaml",
+        [sys.executable, "-m", "rlmesh.cli", "up", "-c", "examples/tool_use_grpo.yaml",
          "--run-dir", str(run_dir), "logging.progress=false", "sft.num_steps=400", "learner.num_steps=10",
          "learner.eval_every=0",
          f"network.tls.cert_file={good}/{{tier}}.crt", f"network.tls.key_file={good}/{{tier}}.key",

@@ -78,7 +78,7 @@ def test_the_real_model_trains_through_the_mesh_and_exports(tmp_path, smollm2_di
 
 
 def _export(run_dir: Path, out: Path, *args: str) -> tuple[Path, str]:
-    done = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "export", str(run_dir), "--output",
+    done = subprocess.run([sys.executable, "-m", "rlmesh.cli", "export", str(run_dir), "--output",
                            str(out), *args], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stderr

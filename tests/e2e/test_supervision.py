@@ -30,7 +30,7 @@ def test_a_service_out_of_restarts_stops_the_mesh_and_is_named(tmp_path):
 
 def test_a_missing_model_path_fails_in_seconds_naming_it(tmp_path):
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "model.type=hf", "model.path=/no/such/model",
+    out = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "model.type=hf", "model.path=/no/such/model",
                           "sft.num_steps=0", "--run-dir", str(tmp_path / "run")], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0 and "model.path='/no/such/model' does not exist" in out.stderr + out.stdout
@@ -42,7 +42,7 @@ def test_a_learner_dying_at_start_up_fails_the_launch_with_its_own_error(tmp_pat
     model.mkdir()
     (model / "config.json").write_text("{}")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "up", "model.type=hf", f"model.path={model}",
+    out = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "model.type=hf", f"model.path={model}",
                           "sft.num_steps=0", "--run-dir", str(tmp_path / "run")], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     text = out.stdout + out.stderr

@@ -48,7 +48,7 @@ async def rollout_mesh(tmp: Path, model_dir: Path, valkey_url: str, *, rollout: 
     cfg_path = tmp / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cli = [sys.executable, "-m", "rlmesh.entrypoints.cli"]
+    cli = [sys.executable, "-m", "rlmesh.cli"]
     procs = []
     for name, args in (("reward", ["reward", "-c", str(cfg_path), "--port", str(reward_port)]),
                        ("rollout", ["rollout", "-c", str(cfg_path), "--port", "0", "--generator-id", "gen-0"])):

@@ -45,7 +45,7 @@ def bpe_model_dir(tmp_path_factory) -> Path:
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", *args], stdout=log.open("wb"),
+    return subprocess.Popen([sys.executable, "-m", "rlmesh.cli", *args], stdout=log.open("wb"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlmesh.entrypoints.cli", *args], stdout=log.open("ab"),
+    return subprocess.Popen([sys.executable, "-m", "rlmesh.cli", *args], stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
                             start_new_session=True)
 

@@ -103,7 +103,7 @@ def test_export_of_a_megatron_checkpoint_is_the_learners_weights(runs):
 
     _, _, tmp, _ = runs
     out = tmp / "exported"
-    cli = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "export", str(tmp / "run"), "--step", "1",
+    cli = subprocess.run([sys.executable, "-m", "rlmesh.cli", "export", str(tmp / "run"), "--step", "1",
                           "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert cli.returncode == 0, cli.stderr[-3000:]

@@ -87,7 +87,7 @@ if __name__ == "__main__":
 def test_export_of_a_two_rank_checkpoint_loads_in_vllm_with_the_learners_greedy_output(runs):
     _, two, _, tmp = runs
     out = tmp / "exported"
-    cli = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "export", str(tmp / "run"), "--step", "1",
+    cli = subprocess.run([sys.executable, "-m", "rlmesh.cli", "export", str(tmp / "run"), "--step", "1",
                           "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert cli.returncode == 0, cli.stderr[-3000:]
@@ -105,7 +105,7 @@ def test_export_of_a_two_rank_checkpoint_loads_in_vllm_with_the_learners_greedy_
 
 def test_export_names_a_missing_step(runs):
     _, _, _, tmp = runs
-    cli = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "export", str(tmp / "run"), "--step", "7",
+    cli = subprocess.run([sys.executable, "-m", "rlmesh.cli", "export", str(tmp / "run"), "--step", "7",
                           "--output", str(tmp / "x")], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert cli.returncode == 2 and "no checkpoint for step 7" in cli.stderr and "step_000001" in cli.stderr

@@ -87,7 +87,7 @@ def test_contracts_and_config_import_from_the_wheel_given_their_dependencies(ven
     # This environment's site-packages on PYTHONPATH lends the dependencies; its editable install
     # of rlmesh is a .pth hook, which Python runs only for site directories, so it stays out.
     deps = sysconfig.get_path("purelib")
-    code = ("import rlmesh.v1.common_pb2, rlmesh.services.config, rlmesh.domain.chat, sys\n"
+    code = ("import rlmesh.v1.common_pb2, rlmesh.services.config, rlmesh.services.domain.chat, sys\n"
             "print(rlmesh.v1.common_pb2.__file__)\n"
             "assert 'torch' not in sys.modules")
     out = _run(python, code, tmp_path, PYTHONPATH=deps)

@@ -10,8 +10,8 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from rlmesh.entrypoints.processes import Mesh
-from rlmesh.entrypoints.up import _pass_secrets
+from rlmesh.processes import Mesh
+from rlmesh.up import _pass_secrets
 from rlmesh.services.config import dump_config, load_config
 from rlmesh.services.queue import StreamQueue, connect_queue
 
@@ -87,7 +87,7 @@ def test_a_password_in_queue_url_is_redacted_and_moved_to_the_environment(tmp_pa
 
 
 def test_rlmesh_config_never_prints_a_password(capsys):
-    from rlmesh.entrypoints.cli import main
+    from rlmesh.cli import main
 
     assert main(["config", "queue.url=redis://:hunter2@h:6379/0"]) == 0
     out = capsys.readouterr().out

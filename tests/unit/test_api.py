@@ -1,4 +1,4 @@
-"""The Python API (`rlmesh.train` and friends, rlmesh.entrypoints.api) without starting a mesh:
+"""The Python API (`rlmesh.train` and friends, rlmesh.api) without starting a mesh:
 config forms, a reward function turned into an import path the reward server can load, callbacks
 fed from metrics rows (through the launcher's real watch loop), and `import rlmesh` staying light."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import rlmesh
-from rlmesh.entrypoints.api import (REWARD_FN_ENV, Callback, StopTraining, _Dispatcher, resolve_config,
+from rlmesh.api import (REWARD_FN_ENV, Callback, StopTraining, _Dispatcher, resolve_config,
                                     reward_fn_import_path)
 from rlmesh.learner.stop import (CALLBACKS_SEEN, STOP_REQUEST, clear_requests, mark_seen, request_stop, stop_requested,
                                  wait_until_seen)
@@ -107,7 +107,7 @@ def test_a_malformed_import_path_is_refused():
 
 SCRIPT = '''
 import json, sys
-from rlmesh.entrypoints.api import reward_fn_import_path
+from rlmesh.api import reward_fn_import_path
 
 def graded(prompt, completion, metadata):
     return {"reward": float(completion == metadata["answer"]), "correct": 1.0}
@@ -148,7 +148,7 @@ def test_a_script_without_the_main_guard_is_named_when_a_service_imports_it(tmp_
 
 
 def test_reward_fn_becomes_the_datasets_environment():
-    from rlmesh.entrypoints import api
+    from rlmesh import api
 
     cfg = api.resolve_config(DEMO)
     data = cfg.model_dump(mode="json")
@@ -209,7 +209,7 @@ def test_a_callback_error_other_than_stop_propagates(tmp_path):
 
 
 def test_callbacks_are_objects_with_hooks():
-    from rlmesh.entrypoints.api import _check_callbacks
+    from rlmesh.api import _check_callbacks
 
     with pytest.raises(TypeError, match="subclass rlmesh.Callback"):
         _check_callbacks([object()])
@@ -270,8 +270,8 @@ metrics.write(json.dumps({"kind": "eval", "version": version, "accuracy": 0.75})
 
 
 def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(tmp_path):
-    from rlmesh.entrypoints.processes import Mesh, Service
-    from rlmesh.entrypoints.up import _watch
+    from rlmesh.processes import Mesh, Service
+    from rlmesh.up import _watch
     from rlmesh.learner.stop import mark_seen
 
     (tmp_path / "learner.py").write_text(FAKE_LEARNER)
@@ -298,7 +298,7 @@ def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(
 
 
 def test_the_launcher_reads_complete_new_rows_once_and_skips_a_torn_one(tmp_path):
-    from rlmesh.entrypoints.up import _Tail
+    from rlmesh.up import _Tail
 
     path = tmp_path / "metrics.jsonl"
     tail = _Tail(path)
@@ -329,6 +329,6 @@ def test_the_root_exports_the_api():
     for name in rlmesh.__all__:
         obj = getattr(rlmesh, name)
         assert obj.__doc__, f"rlmesh.{name} has no docstring"
-    assert rlmesh.train.__module__ == "rlmesh.entrypoints.api"
+    assert rlmesh.train.__module__ == "rlmesh.api"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         rlmesh.nope  # noqa: B018

@@ -9,16 +9,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 # folder -> the dotted package it is installed as (pyproject.toml's package-dir)
 ROOTS = {
-    "proto/rlmesh": "rlmesh",
+    "proto/rlmesh/v1": "rlmesh.v1",
     "services": "rlmesh.services",
     "learner": "rlmesh.learner",
     "rollout_server": "rlmesh.rollout_server",
     "reward_server": "rlmesh.reward_server",
-    "entrypoints": "rlmesh.entrypoints",
+    "entrypoints": "rlmesh",
 }
 OLD_TOP_LEVEL = ("services", "learner", "rollout_server", "reward_server", "entrypoints")
 
-V1, DOMAIN, SERVICES = "rlmesh.v1", "rlmesh.domain", "rlmesh.services"
+V1, DOMAIN, SERVICES = "rlmesh.v1", "rlmesh.services.domain", "rlmesh.services"
+# entrypoints/ is the package root: its modules (rlmesh.cli, rlmesh.up, rlmesh.api, ...) compose the tiers.
+ENTRYPOINTS = tuple(sorted(f"rlmesh.{p.stem}" for p in (REPO / "entrypoints").glob("*.py") if p.stem != "__init__"))
 ENGINE = "rlmesh.learner.train"
 # data/ (examples, sources, hf for `data.type: hf`) is one concept: the examples every recipe and the
 # RL service read.
@@ -30,7 +32,7 @@ LEARNER_SHARED = (*DATA, "rlmesh.learner.metrics", TRACKERS)
 # Layers, most specific prefix first: a module belongs to the first layer its name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rlmesh.v1", (V1,)),
-    ("rlmesh.domain", (V1, DOMAIN)),
+    ("rlmesh.services.domain", (V1, DOMAIN)),
     ("rlmesh.services", (V1, SERVICES)),
     ("rlmesh.learner.train", (V1, DOMAIN, SERVICES, ENGINE)),
     ("rlmesh.learner.devtools", (V1, DOMAIN, SERVICES, "rlmesh.learner.devtools")),
@@ -45,9 +47,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rlmesh.learner", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED, "rlmesh.learner")),
     ("rlmesh.rollout_server", (V1, DOMAIN, SERVICES, "rlmesh.rollout_server")),
     ("rlmesh.reward_server", (V1, DOMAIN, SERVICES, "rlmesh.reward_server")),
-    ("rlmesh.entrypoints", ("rlmesh",)),
-    # the package root: the light Python API facade, which forwards to rlmesh.entrypoints.api
-    ("rlmesh", (V1, "rlmesh.entrypoints.api")),
+    *((name, ("rlmesh",)) for name in ENTRYPOINTS),
+    # the package root: the light Python API facade, which forwards to rlmesh.api
+    ("rlmesh", (V1, "rlmesh.api")),
 ]
 # Inside an allowed prefix, what a layer still may not import.
 DENIED = {"rlmesh.learner": ("rlmesh.learner.recipes", "rlmesh.learner.devtools")}
@@ -107,7 +109,7 @@ def violations(modules: dict[str, set[str]]) -> list[str]:
                     or any(_within(name, d) for d in DENIED.get(layer, ())):
                 bad.append(f"{module} ({layer}) imports {name}")
             if any(_within(name, d) for d in DRIVERS) and not any(_within(module, d) for d in DRIVERS) \
-                    and layer != "rlmesh.entrypoints":
+                    and layer not in ENTRYPOINTS:
                 bad.append(f"{module} imports the learner's driver {name}")
     return bad
 

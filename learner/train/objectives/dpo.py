@@ -12,7 +12,7 @@ import torch
 from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 if TYPE_CHECKING:
-    from rlmesh.domain.chat import ChatCodec
+    from rlmesh.services.domain.chat import ChatCodec
 
 DPO_METRICS = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward", "chosen_nll")
 

@@ -11,7 +11,7 @@ import torch
 from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 if TYPE_CHECKING:
-    from rlmesh.domain.chat import ChatCodec
+    from rlmesh.services.domain.chat import ChatCodec
 
 
 class SFTExample(Protocol):

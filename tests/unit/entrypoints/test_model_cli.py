@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.entrypoints.cli import main
+from rlmesh.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("sub", [["model"], ["model", "fetch"], ["model", "convert-gguf"]])
 def test_model_help_is_fast_and_imports_nothing_heavy(sub):
     code = ("import sys, runpy\nsys.argv=['rlmesh', *sys.argv[1:], '--help']\n"
-            "try:\n    runpy.run_module('rlmesh.entrypoints.cli', run_name='__main__')\nexcept SystemExit as e:\n"
+            "try:\n    runpy.run_module('rlmesh.cli', run_name='__main__')\nexcept SystemExit as e:\n"
             "    assert e.code == 0, e.code\n"
             "heavy = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
             "assert not heavy, heavy\n")

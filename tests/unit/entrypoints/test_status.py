@@ -4,7 +4,7 @@ learner's Prometheus numbers, and tiers that do not answer shown as unreachable.
 import json
 import socket
 
-from rlmesh.entrypoints.cli import main
+from rlmesh.cli import main
 from rlmesh.learner.trackers.prometheus import PrometheusTracker
 from rlmesh.services.config import RunConfig, dump_config
 from rlmesh.services.prom import serve_metrics

@@ -94,7 +94,7 @@ def test_rlmesh_dpo_learns_the_preference_on_held_out_pairs(tmp_path):
 
 
 def test_rlmesh_dpo_without_pairs_or_steps_says_how_to_fix_it(tmp_path):
-    from rlmesh.entrypoints.cli import main
+    from rlmesh.cli import main
 
     with pytest.raises(SystemExit, match="dpo.num_steps is 0"):
         main(["dpo", "--output", str(tmp_path / "a")])

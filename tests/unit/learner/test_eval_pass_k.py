@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlmesh.domain.pass_at_k import pass_at_k
+from rlmesh.services.domain.pass_at_k import pass_at_k
 from rlmesh.learner.data.examples import Example
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.services.config import load_config

@@ -7,9 +7,9 @@ import random
 from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.train.objectives.sft import SFTObjective
 from rlmesh.learner.devtools.tiny_model import build_tokenizer
-from rlmesh.domain.chat import ChatCodec
+from rlmesh.services.domain.chat import ChatCodec
 from rlmesh.services.config import CalculatorDataSection
-from rlmesh.domain.tasks import ADD_TOOL
+from rlmesh.services.domain.tasks import ADD_TOOL
 
 
 def test_calculator_splits_are_disjoint_and_demonstrate_the_tool():

@@ -4,8 +4,8 @@ at once (for conversations whose text tokenizes the same either way), on both ti
 import pytest
 
 from rlmesh.learner.devtools.tiny_model import build_tokenizer
-from rlmesh.domain.chat import ChatCodec
-from rlmesh.domain.tasks import ADD_TOOL
+from rlmesh.services.domain.chat import ChatCodec
+from rlmesh.services.domain.tasks import ADD_TOOL
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 123, "b": 456}}\n</tool_call>'
 CONVERSATION = [{"role": "user", "content": "What is 123 + 456?"}, {"role": "assistant", "content": CALL},

@@ -22,7 +22,7 @@ def test_contracts_and_config_import_without_heavy_deps():
     code = (
         "import sys\n"
         "import rlmesh.v1.common_pb2, rlmesh.v1.rollout_pb2_grpc, rlmesh.v1.reward_pb2_grpc, rlmesh.v1.learner_pb2_grpc\n"
-        "import rlmesh.services.config, rlmesh.services.queue, rlmesh.services.grpc_server, rlmesh.services.grpc_client, rlmesh.entrypoints.cli\n"
+        "import rlmesh.services.config, rlmesh.services.queue, rlmesh.services.grpc_server, rlmesh.services.grpc_client, rlmesh.cli\n"
         "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

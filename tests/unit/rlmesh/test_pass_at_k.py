@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rlmesh.domain.pass_at_k import mean_pass_at_k, pass_at_k
+from rlmesh.services.domain.pass_at_k import mean_pass_at_k, pass_at_k
 
 
 def _by_count(n: int, c: int, k: int) -> float:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlmesh.domain.scoring import as_int, first_integer, score_integer
+from rlmesh.services.domain.scoring import as_int, first_integer, score_integer
 from rlmesh.reward_server.environments.calculator import CalculatorEnvironment
 from rlmesh.reward_server.environments.mcp_tools import exact_answer
 

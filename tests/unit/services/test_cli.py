@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("sub", [[], ["up"], ["learner"], ["rollout"], ["reward"], ["sft"], ["config"]])
 def test_help_is_fast_and_imports_no_torch(sub):
     code = ("import sys, runpy\nsys.argv=['rlmesh', *sys.argv[1:], '--help']\n"
-            "try:\n    runpy.run_module('rlmesh.entrypoints.cli', run_name='__main__')\nexcept SystemExit as e:\n"
+            "try:\n    runpy.run_module('rlmesh.cli', run_name='__main__')\nexcept SystemExit as e:\n"
             "    assert e.code == 0, e.code\n"
             "assert 'torch' not in sys.modules and 'vllm' not in sys.modules\n")
     t0 = time.monotonic()
@@ -23,7 +23,7 @@ def test_help_is_fast_and_imports_no_torch(sub):
 
 
 def test_config_error_exits_2_with_field_name():
-    out = subprocess.run([sys.executable, "-m", "rlmesh.entrypoints.cli", "config", "learner.foo=1"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "rlmesh.cli", "config", "learner.foo=1"], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "learner.foo" in out.stderr and "allowed" in out.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmesh.entrypoints.cli import build_parser
+from rlmesh.cli import build_parser
 from rlmesh.services.config import load_config
 
 REPO = Path(__file__).resolve().parents[3]
