@@ -93,7 +93,8 @@ class EpisodeRunner:
         traces = await asyncio.gather(*(self.run_episode(group, i) for i in range(group.n)))
         started = [t.context[: t.num_prompt] for t in traces if t.num_prompt]
         shared = _common_prefix(started) if started else []
-        samples = [self._sample(i, t, len(shared)) for i, t in enumerate(traces)]
+        penalty = self.cfg.error_reward if self.cfg.on_error == "penalize" else None
+        samples = [trace_sample(i, t, len(shared), self.generator.version, penalty) for i, t in enumerate(traces)]
         return shared, samples
 
     async def run_episode(self, group: common_pb2.PromptGroup, index: int) -> EpisodeTrace:
@@ -194,31 +195,36 @@ class EpisodeRunner:
         except grpc.aio.AioRpcError as err:  # the episode's result stands; the server evicts idle sessions
             log.debug("Close %s failed: %s", session, err.code().name)
 
-    def _sample(self, index: int, trace: EpisodeTrace, num_shared: int) -> common_pb2.Sample:
-        head = trace.context[num_shared: trace.num_prompt] if trace.num_prompt else []
-        for turn in trace.turns:
-            turn.start += len(head)
-        failed = bool(trace.error)
-        sample = common_pb2.Sample(
-            index=index,
-            completion=common_pb2.TokenSequence(token_ids=head + trace.completion,
-                                                loss_mask=[False] * len(head) + trace.loss_mask),
-            logprobs=[0.0] * len(head) + trace.logprobs,
-            finish_reason=trace.finish_reason,
-            min_version=min((t.min_version for t in trace.turns), default=self.generator.version),
-            max_version=max((t.max_version for t in trace.turns), default=self.generator.version),
-            reward=trace.reward,
-            text="".join(trace.text),
-            num_turns=len(trace.turns),
-            turns=trace.turns,
-        )
-        sample.reward_components.update(trace.components)
-        if failed and self.cfg.on_error == "penalize" and trace.completion:
-            sample.reward = self.cfg.error_reward
-            sample.reward_components["episode_failed"] = 1.0
-        elif failed:
-            sample.error = trace.error
-        return sample
+
+def trace_sample(index: int, trace: EpisodeTrace, num_shared: int, version: int,
+                 error_reward: float | None = None) -> common_pb2.Sample:
+    """The sample of one recorded episode. The first `num_shared` context ids are the group's prompt;
+    the rest of the episode's first context opens the completion with loss mask false. A failed episode
+    carries its error (never trained), or with `error_reward` set is trained with that reward and
+    marked by the `episode_failed` component."""
+    head = trace.context[num_shared: trace.num_prompt] if trace.num_prompt else []
+    for turn in trace.turns:
+        turn.start += len(head)
+    sample = common_pb2.Sample(
+        index=index,
+        completion=common_pb2.TokenSequence(token_ids=head + trace.completion,
+                                            loss_mask=[False] * len(head) + trace.loss_mask),
+        logprobs=[0.0] * len(head) + trace.logprobs,
+        finish_reason=trace.finish_reason,
+        min_version=min((t.min_version for t in trace.turns), default=version),
+        max_version=max((t.max_version for t in trace.turns), default=version),
+        reward=trace.reward,
+        text="".join(trace.text),
+        num_turns=len(trace.turns),
+        turns=trace.turns,
+    )
+    sample.reward_components.update(trace.components)
+    if trace.error and error_reward is not None and trace.completion:
+        sample.reward = error_reward
+        sample.reward_components["episode_failed"] = 1.0
+    elif trace.error:
+        sample.error = trace.error
+    return sample
 
 
 def _common_prefix(seqs: list[list[int]]) -> list[int]:

@@ -13,7 +13,7 @@ from rlmesh.services.config.model_data import (
     CalculatorDataSection, HFDataSection, DataSection,
 )
 from rlmesh.services.config.rollout import (
-    EpisodeSection, RolloutSection,
+    AgentEndpointSection, EpisodeSection, RolloutSection,
 )
 from rlmesh.services.config.reward import (
     McpEnvironmentSection, CodeEnvironmentSection, JudgeEnvironmentSection, OpenEnvEnvironmentSection,
@@ -33,7 +33,7 @@ from rlmesh.services.config.run_config import (
 
 __all__ = [
     "Section", "RunSection", "TinyModelSection", "HFModelSection", "ModelSection", "ArithmeticDataSection",
-    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "DataSection", "EpisodeSection",
+    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "DataSection", "EpisodeSection", "AgentEndpointSection",
     "RolloutSection", "McpEnvironmentSection", "CodeEnvironmentSection", "JudgeEnvironmentSection",
     "OpenEnvEnvironmentSection", "MathEnvironmentSection", "RewardSection", "LoRASection",
     "FSDP2BackendSection", "MegatronBackendSection", "BackendSection", "LearnerSection", "SFTSection",

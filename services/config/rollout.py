@@ -24,6 +24,31 @@ class EpisodeSection(Section):
     """Reward of a failed episode under on_error=penalize."""
 
 
+class AgentEndpointSection(Section):
+    """The OpenAI-compatible chat-completions endpoint a rollout server opens for each agent episode."""
+
+    enabled: bool = False
+    """Serve the endpoint (agent environments need it); off, no listener is opened."""
+    host: str = "127.0.0.1"
+    """Interface the endpoint listens on (0.0.0.0 where agents run on other hosts)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the endpoint (0: any free port)."""
+    public_url: str | None = None
+    """Base URL agents are given (e.g. http://rollout-0:8100/v1); unset: http://<host>:<port>/v1."""
+    max_calls: int = Field(16, ge=1)
+    """Chat-completion calls one episode may make; past it a call is refused (`episode_limit`)."""
+    max_total_tokens: int | None = Field(None, ge=2)
+    """Context of one episode (prompt, every call's tokens, every appended message); unset: rollout.max_model_len."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Cap on one call's completion (an agent's max_tokens lowers it); unset: rollout.max_tokens."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Life of an episode's key from its opening; past it calls are refused and the episode ends with `episode_timeout`."""
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    """Largest request body accepted (HTTP 413 past it)."""
+    max_messages: int = Field(256, ge=1)
+    """Messages one request may carry."""
+
+
 class RolloutSection(Section):
     num_servers: int = Field(1, ge=1)
     """Rollout servers `rlmesh up` starts."""
@@ -51,6 +76,8 @@ class RolloutSection(Section):
     """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND): '0', '0-3' or 'auto'."""
     episode: EpisodeSection = EpisodeSection()
     """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""
+    agent_endpoint: AgentEndpointSection = AgentEndpointSection()
+    """The per-episode OpenAI-compatible endpoint for agents that own their loop (docs/agents.md)."""
 
     @field_validator("top_p")
     @classmethod

@@ -1,0 +1,34 @@
+"""Tool calls in the model's text (Hermes format) become OpenAI tool calls, and an agent's messages
+compare equal to the ones the endpoint returned whatever ids its client gave the calls."""
+
+import json
+
+from rlmesh.rollout_server.agent_endpoint import Message, _same, parse_tool_calls, template_message
+
+
+def test_hermes_blocks_become_tool_calls_and_the_rest_stays_content():
+    text = ('Let me look.\n<tool_call>\n{"name": "lookup", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["lookup", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert calls[1]["function"]["arguments"] == '{"a": 1}'
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+
+
+def test_a_block_that_is_not_a_call_is_kept_as_text():
+    for text in ("<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>', "plain answer"):
+        assert parse_tool_calls(text) == (text, [])
+
+
+def test_a_returned_assistant_message_compares_equal_whatever_the_call_ids():
+    _, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 2}}</tool_call>')
+    kept = template_message(Message(role="assistant", content="", tool_calls=calls))
+    echoed = dict(calls[0], id="call_client_side")
+    sent = template_message(Message.model_validate({"role": "assistant", "content": None, "tool_calls": [echoed]}))
+    assert _same(sent, kept)
+    other = dict(echoed, function={"name": "f", "arguments": '{"x": 3}'})
+    assert not _same(template_message(Message.model_validate({"role": "assistant", "tool_calls": [other]})), kept)
+    parts = Message.model_validate({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
+    assert template_message(parts)["content"] == "ab"
