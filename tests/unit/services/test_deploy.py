@@ -280,3 +280,40 @@ def test_every_tier_serves_metrics_where_its_scrape_annotations_say(rendered):
         assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == port
         assert port in [p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]]
 
+
+
+# Kinds the Kubernetes API itself does not define: no OpenAPI schema exists offline for them.
+CUSTOM_KINDS = {("kustomize.config.k8s.io/v1beta1", "Kustomization"), ("keda.sh/v1alpha1", "ScaledObject"),
+                ("keda.sh/v1alpha1", "TriggerAuthentication")}
+# The oldest Kubernetes still supported upstream when the manifests were checked, and the newest schemas shipped.
+K8S_VERSIONS = ("1.32.0", "1.37.0")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_k8s_manifests_are_valid_against_the_kubernetes_openapi_schemas(version):
+    """Offline, strict (an unknown field is an error), with the schemas kubernetes-validate ships."""
+    import kubernetes_validate
+
+    checked = 0
+    for doc in _k8s_docs():
+        if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(doc, version, strict=True)
+        checked += 1
+    assert checked >= 10
+
+
+def test_the_kustomization_lists_every_manifest_and_only_those():
+    (kustomization,) = [d for d in _k8s_docs() if d["kind"] == "Kustomization"]
+    manifests = {p.name for p in (REPO / "deploy/k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == manifests
+
+
+def test_a_misspelt_field_fails_the_schema_check():
+    import kubernetes_validate
+
+    (deployment,) = [d for d in _k8s_docs() if d["kind"] == "Deployment" and "rollout" in d["metadata"]["name"]]
+    broken = yaml.safe_load(yaml.safe_dump(deployment))
+    broken["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Never"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
