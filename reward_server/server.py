@@ -9,6 +9,7 @@ import os
 
 import uvloop
 
+from rlmesh.reward_server.environments.agent import AgentEnvironment
 from rlmesh.reward_server.environments.code import CodeEnvironment
 from rlmesh.reward_server.environments.judge import JudgeEnvironment
 from rlmesh.reward_server.environments.math import MathEnvironment
@@ -20,13 +21,16 @@ from rlmesh.reward_server.environments.function import FunctionEnvironment
 from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.service import BUILTIN, RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from rlmesh.services.auth import TLSFiles, load_token
+from rlmesh.services.auth import ANY, Policy, TLSFiles, load_token
 from rlmesh.services.config import RunConfig
 from rlmesh.services.grpc_server import Server, ServerLimits, start_server
 from rlmesh.services.prom import serve_metrics
 from rlmesh.services.telemetry import setup_logging
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+# Under mutual TLS only rollout servers start agent episodes (RunAgent runs the configured agent
+# against the endpoint the caller names); every other method serves any tier.
+POLICY = Policy({"RunAgent": frozenset({"rollout"})}, default=ANY)
 
 
 async def serve(config: RunConfig, port: int) -> None:
@@ -59,6 +63,10 @@ async def serve(config: RunConfig, port: int) -> None:
         service.add_local(name, CodeEnvironment(name, sandbox, tests_key=code.tests_key))
     for name, judge in _local(section.judge, section.remote):
         service.add_local(name, JudgeEnvironment(name, **judge.model_dump()))
+    for name, path in _local(section.agents, section.remote):
+        service.add_local(name, AgentEnvironment(name, path, timeout_s=section.agent_timeout_s,
+                                                 env=tuple(section.function_env),
+                                                 max_concurrency=section.env_max_concurrency))
     if "math" not in section.remote:  # the built-in math environment, with its settings from reward.math
         service.add_local("math", MathEnvironment(**section.math.model_dump()))
     for name, env in section.openenv.items():
@@ -68,7 +76,7 @@ async def serve(config: RunConfig, port: int) -> None:
     server = await start_server(
         [(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
         host=config.network.host, port=port, token=token, tls=tls, insecure=config.network.insecure,
-        limits=ServerLimits.from_config(config.network, "reward"),
+        limits=ServerLimits.from_config(config.network, "reward"), policy=POLICY,
     )
     if serve_metrics(config, "reward", f"reward-{server.port}") is not None:
         from rlmesh.reward_server.prom import register

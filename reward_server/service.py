@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from rlmesh.reward_server.environments.agent import AgentEnvironment
 from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
 from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi_turn, load_callable, nonfinite_error
 from rlmesh.reward_server.environments.calculator import CalculatorEnvironment
@@ -80,6 +81,12 @@ def load_environment(name: str, path: str, function_limits: WorkerLimits) -> Any
     env.name = name
     env.description = getattr(env, "description", "") or f"multi-turn environment {path}"
     return env
+
+
+def _kind(env: Any) -> str:
+    if isinstance(env, AgentEnvironment):
+        return "agent"
+    return "multi_turn" if is_multi_turn(env) else "single_turn"
 
 
 def caller(context: grpc.aio.ServicerContext) -> str:
@@ -160,8 +167,8 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         return remote.info()
 
     def environments(self) -> list[reward_pb2.EnvironmentInfo]:
-        infos = [reward_pb2.EnvironmentInfo(name=n, kind="multi_turn" if is_multi_turn(e) else "single_turn",
-                                            description=e.description) for n, e in sorted(self.local.items())]
+        infos = [reward_pb2.EnvironmentInfo(name=n, kind=_kind(e), description=e.description)
+                 for n, e in sorted(self.local.items())]
         return infos + [r.info() for _, r in sorted(self.remote.items())]
 
     def _spawn(self, coro) -> None:
@@ -190,6 +197,8 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
             elif env_name not in self.local:
                 known = sorted([*self.local, *self.remote])
                 fail(idx, f"unknown environment {env_name!r}; known: {', '.join(known)}")
+            elif isinstance(self.local[env_name], AgentEnvironment):
+                fail(idx, f"environment {env_name!r} is an agent: run its episodes with RunAgent")
             elif not callable(getattr(self.local[env_name], "score", None)):
                 fail(idx, f"environment {env_name!r} is multi-turn: run its episodes with Reset/Step/Close")
             else:
@@ -404,3 +413,27 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
     async def Close(self, request, context):
         await self._session_rpc(self.close, request, context)
         return reward_pb2.CloseResponse()
+
+    async def RunAgent(self, request, context):
+        try:
+            env, prompt = self.agent_task(request)
+        except SessionError as err:
+            await context.abort(grpc.StatusCode[err.code], str(err))
+        result = await env.run(prompt, MessageToDict(request.env_metadata), request.base_url, request.api_key)
+        if result.error:
+            log.warning("agent episode of %s ended without a reward: %s", request.env_name, result.error)
+        return reward_pb2.RunAgentResponse(reward=result.reward, components=result.components, error=result.error)
+
+    def agent_task(self, request: reward_pb2.RunAgentRequest) -> tuple[AgentEnvironment, list[Message]]:
+        """The agent environment a RunAgent names and its prompt, or a SessionError saying what is wrong."""
+        env = self.local.get(request.env_name)
+        if not isinstance(env, AgentEnvironment):
+            agents = sorted(n for n, e in self.local.items() if isinstance(e, AgentEnvironment))
+            raise SessionError("NOT_FOUND", f"no agent environment {request.env_name!r} here; agents: "
+                                            f"{', '.join(agents) or 'none (reward.agents)'}")
+        if not request.base_url.startswith(("http://", "https://")) or len(request.base_url) > 2048:
+            raise SessionError("INVALID_ARGUMENT", "RunAgent.base_url must be the episode's http(s) endpoint URL")
+        if not 0 < len(request.api_key) <= 512:
+            raise SessionError("INVALID_ARGUMENT", "RunAgent.api_key must be the episode's key (1-512 characters)")
+        self.limits.check_input(f"RunAgent of {request.env_name!r}", request.prompt, request.env_metadata)
+        return env, to_messages(request.prompt)

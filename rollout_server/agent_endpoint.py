@@ -221,16 +221,21 @@ class AgentEndpoint:
         self._episodes[_digest(key)] = episode
         return episode
 
-    def close(self, episode: AgentEpisode) -> common_pb2.Sample:
-        """Ends the episode (its key stops working) and returns its sample; an episode that broke its
-        history, ran out of time or made no call carries the reason as its error."""
+    def end(self, episode: AgentEpisode) -> None:
+        """The episode's key stops working; its recorded trace stays on the episode."""
         self._episodes.pop(_digest(episode.key), None)
+
+    def close(self, episode: AgentEpisode, num_shared: int = 0) -> common_pb2.Sample:
+        """Ends the episode and returns its sample, whose first `num_shared` context ids are the
+        group's prompt; an episode that broke its history, ran out of time or made no call carries the
+        reason as its error."""
+        self.end(episode)
         trace = episode.trace
         if not trace.error and not trace.turns:
             trace.finish_reason, trace.error = "no_calls", "no_calls: the agent made no chat-completion call"
         elif not trace.finish_reason:
             trace.finish_reason = "done"
-        return trace_sample(episode.index, trace, 0, self.generator.version)
+        return trace_sample(episode.index, trace, num_shared, self.generator.version)
 
     def __len__(self) -> int:
         return len(self._episodes)
@@ -403,3 +408,4 @@ async def _stream(request: web.Request, reply: dict[str, Any]) -> web.StreamResp
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out
+

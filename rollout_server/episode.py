@@ -92,7 +92,7 @@ class EpisodeRunner:
                              "messages, not prompt_tokens")
         traces = await asyncio.gather(*(self.run_episode(group, i) for i in range(group.n)))
         started = [t.context[: t.num_prompt] for t in traces if t.num_prompt]
-        shared = _common_prefix(started) if started else []
+        shared = common_prefix(started) if started else []
         penalty = self.cfg.error_reward if self.cfg.on_error == "penalize" else None
         samples = [trace_sample(i, t, len(shared), self.generator.version, penalty) for i, t in enumerate(traces)]
         return shared, samples
@@ -227,7 +227,7 @@ def trace_sample(index: int, trace: EpisodeTrace, num_shared: int, version: int,
     return sample
 
 
-def _common_prefix(seqs: list[list[int]]) -> list[int]:
+def common_prefix(seqs: list[list[int]]) -> list[int]:
     first = seqs[0]
     n = len(first)
     for s in seqs[1:]:

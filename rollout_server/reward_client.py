@@ -25,6 +25,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 UNREACHABLE = Backoff(0.5, 10.0)
 """Waits between tries at an unreachable reward tier."""
 MULTI_TURN = "multi_turn"
+AGENT = "agent"
 
 
 def retryable(err: BaseException) -> bool:
@@ -73,7 +74,7 @@ class RewardPool:
         return await self.call(what, "Score", request)
 
     async def kind(self, env_name: str) -> str:
-        """`multi_turn`, `single_turn`, or "" for a name no replica serves (Score then reports it)."""
+        """`multi_turn`, `single_turn`, `agent`, or "" for a name no replica serves (Score then reports it)."""
         if env_name not in self._kinds:
             reply = await self.call(f"environment {env_name!r}", "ListEnvironments",
                                     reward_pb2.ListEnvironmentsRequest())

@@ -13,6 +13,7 @@ import grpc
 import uvloop
 
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlmesh.rollout_server.agents import AgentRunner
 from rlmesh.rollout_server.episode import EpisodeRunner
 from rlmesh.rollout_server.generator import VLLMGenerator
 from rlmesh.rollout_server.reward_client import Replica, RewardPool
@@ -145,9 +146,17 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
         make_channel(address, token=token, tls=tls, peer="reward", default_timeout_s=config.reward.score_timeout_s)))
         for address in config.network.reward_addresses], timeout_s=config.reward.score_timeout_s)
     episodes = EpisodeRunner(generator, rewards, config.rollout.episode, config.rollout.max_model_len)
+    endpoint = None
+    if config.rollout.agent_endpoint.enabled:
+        from rlmesh.rollout_server.agent_endpoint import AgentEndpoint
+
+        endpoint = AgentEndpoint(generator, config.rollout.agent_endpoint, config.rollout)
+        await endpoint.start()
+    # RunAgent waits for the agent's whole episode: its deadline is the agent's limit plus a margin.
+    agents = AgentRunner(endpoint, rewards, config.reward.agent_timeout_s + 30.0)
     worker = RolloutWorker(generator, prompts, trajectories, rewards, episodes, consumer="pending",
                            max_concurrent_groups=config.rollout.max_concurrent_groups,
-                           max_abs_reward=config.reward.max_abs_reward, queue_url=config.queue.url)
+                           max_abs_reward=config.reward.max_abs_reward, queue_url=config.queue.url, agents=agents)
     service = RolloutService(generator, "pending", receiver, worker, on_weights=lambda version: worker.ready.set(),
                              queue=redis)
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],
@@ -180,6 +189,8 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
         for t in tasks:
             t.cancel()
         await worker.stop()
+        if endpoint is not None:
+            await endpoint.stop()
         log.info("deregistered and stopped the queue worker; draining calls")
 
     serving = asyncio.create_task(server.serve_forever(grace_s=5.0, on_stop=on_stop))

@@ -21,9 +21,10 @@ from collections import Counter
 from google.protobuf.message import DecodeError
 
 from rlmesh.v1 import common_pb2, reward_pb2
+from rlmesh.rollout_server.agents import AgentRunner
 from rlmesh.rollout_server.episode import EpisodeRunner
 from rlmesh.rollout_server.generator import VLLMGenerator
-from rlmesh.rollout_server.reward_client import MULTI_TURN, RewardPool
+from rlmesh.rollout_server.reward_client import AGENT, MULTI_TURN, RewardPool
 from rlmesh.services.queue import Entry, StreamQueue
 from rlmesh.services.telemetry import group_span
 
@@ -46,9 +47,10 @@ def sample_problem(sample: common_pb2.Sample, max_abs_reward: float) -> str:
 class RolloutWorker:
     def __init__(self, generator: VLLMGenerator, prompts: StreamQueue, trajectories: StreamQueue,
                  rewards: RewardPool, episodes: EpisodeRunner, *, consumer: str, max_concurrent_groups: int,
-                 max_abs_reward: float, queue_url: str | None = None) -> None:
+                 max_abs_reward: float, queue_url: str | None = None, agents: AgentRunner | None = None) -> None:
         self.generator, self.prompts, self.trajectories = generator, prompts, trajectories
         self.rewards, self.episodes = rewards, episodes
+        self.agents = agents or AgentRunner(None, rewards, 0.0)
         self.consumer = consumer
         self.max_concurrent_groups = max_concurrent_groups
         self.max_abs_reward = max_abs_reward
@@ -129,8 +131,11 @@ class RolloutWorker:
         with group_span("generate", group.group_id, parent=group.trace_context, carrier=trace_context,
                         version=self.generator.version, generator=self.consumer):
             try:
-                if await self.rewards.kind(group.env_name) == MULTI_TURN:
+                kind = await self.rewards.kind(group.env_name)
+                if kind == MULTI_TURN:
                     prompt_ids, samples = await self.episodes.run_group(group)  # scored step by step
+                elif kind == AGENT:
+                    prompt_ids, samples = await self.agents.run_group(group)  # the user's agent drives
                 else:
                     prompt_ids, samples = await self.generator.generate_group(group)
                     with group_span("score", group.group_id):

@@ -136,6 +136,10 @@ class RewardSection(Section):
     """Extra single-turn environments: name -> `module:function(prompt, completion, metadata)`."""
     remote: dict[str, str] = {}
     """Remote environment servers to proxy: name -> host:port."""
+    agents: dict[str, str] = {}
+    """Agent environments: name -> `module:function(prompt, metadata)`, the user's agent run unchanged against its episode's OpenAI-compatible endpoint (OPENAI_BASE_URL / OPENAI_API_KEY); it returns the reward (docs/agents.md)."""
+    agent_timeout_s: float = Field(300.0, gt=0)
+    """Wall-clock limit of one agent episode's process; past it the process is killed and the episode ends `agent_timeout`."""
     score_timeout_s: float = Field(30.0, gt=0)
     """Deadline of one batched Score call: the rollout server waits this long, and the reward server answers within it (plus up to 1 s of scheduling on a loaded host) whatever its environments do, failing each item still unscored at 90% of it with an error (a hung reward function's worker is killed then, and replaced)."""
     env_timeout_s: float = Field(30.0, gt=0)

@@ -66,3 +66,29 @@ class RaisingTool(LookupTools):
         if state["turns"] == 1:
             raise RuntimeError("the lookup tool exploded")
         return super().step(state, action)
+
+
+# --- agents (reward.agents): plain functions that own their loop and talk to the policy through the
+# `openai` client, configured only by OPENAI_BASE_URL / OPENAI_API_KEY as any agent is.
+
+def tool_agent(prompt: list[dict], metadata: dict) -> dict:
+    """Asks, feeds a tool result back, asks again: the loop an agent framework runs."""
+    from openai import OpenAI
+
+    client = OpenAI(max_retries=0)
+    messages = list(prompt)
+    first = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL])
+    said = first.choices[0].message
+    messages.append({"role": "assistant", "content": said.content or ""})
+    messages.append({"role": "tool", "tool_call_id": "call_0", "content": f"result {int(metadata['answer'])} then"})
+    second = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL])
+    return {"reward": float(len(second.choices[0].message.content or "") % 2), "components": {"calls": 2.0}}
+
+
+def hanging_agent(prompt: list[dict], metadata: dict) -> float:
+    time.sleep(3600)
+    return 1.0
+
+
+def crashing_agent(prompt: list[dict], metadata: dict) -> float:
+    raise RuntimeError("the agent fell over")

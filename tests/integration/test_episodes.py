@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENVS = "tests.integration.episode_envs"
 STEP_TIMEOUT_S = 2.0
 MAX_TURNS = 3
+AGENT_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +67,15 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
         "queue": {"url": valkey_url, "prompt_stream": f"p-{suffix}", "trajectory_stream": f"t-{suffix}"},
         "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
         "rollout": {"max_tokens": 10, "max_model_len": 512, "temperature": 1.0,
-                    "episode": {"max_turns": MAX_TURNS, "step_timeout_s": STEP_TIMEOUT_S}},
+                    "episode": {"max_turns": MAX_TURNS, "step_timeout_s": STEP_TIMEOUT_S},
+                    "agent_endpoint": {"enabled": True}},
     }
     far_cfg = {**base, "reward": {"functions": {"far": f"{ENVS}:SleepyTool"}}}
     main_cfg = {**base, "reward": {"functions": {"lookup": f"{ENVS}:LookupTools", "sleepy": f"{ENVS}:SleepyTool",
                                                  "raising": f"{ENVS}:RaisingTool"},
+                                   "agents": {"tool_agent": f"{ENVS}:tool_agent", "hanging": f"{ENVS}:hanging_agent",
+                                              "crashing": f"{ENVS}:crashing_agent"},
+                                   "agent_timeout_s": AGENT_TIMEOUT_S,
                                    "remote": {"far": f"127.0.0.1:{far_port}"},
                                    "openenv": {"guess": {"url": f"http://127.0.0.1:{openenv_port}",
                                                          "reset_keys": ["target"]}},
@@ -218,3 +223,52 @@ async def test_failing_tools_and_a_killed_env_server_end_episodes_with_named_rea
         assert s.finish_reason in ("env_error", "step_timeout"), s.error
         assert "far" in s.error, s.error
     assert all(not s.error and s.finish_reason == "done" for s in got[after.group_id].samples)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_name(mesh):
+    """`agent` environments: the user's function drives the policy through the real `openai` client
+    against its episode's endpoint; its calls become one sample each, the tool result it fed back
+    masked out; an agent that hangs or crashes ends its episode with a named reason, the rest go on."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    good, hanging, crashing = _group("tool_agent", 3, answer=579), _group("hanging", 1), _group("crashing", 1)
+    for g in (good, hanging, crashing):
+        await mesh["prompts"].publish(g.group_id, g.SerializeToString())
+    got = await _collect(mesh, {g.group_id for g in (good, hanging, crashing)})
+    tok = AutoTokenizer.from_pretrained(mesh["model"])
+    model = AutoModelForCausalLM.from_pretrained(mesh["model"], dtype=torch.float32).eval()
+    bounds = Bounds(vocab_size=model.config.vocab_size, max_abs_reward=1e4,
+                    max_seq_len=model.config.max_position_embeddings)
+    traj = got[good.group_id]
+    assert problems(traj, good, 0, bounds) == ""  # the learner admits the group
+    # the tools the agent passed are in the prompt, through the model's chat template
+    assert tok.decode(traj.prompt_token_ids).startswith("<|im_start|>system\nTools:\nlookup(a)")
+    assert "Add with the tool.<|im_end|>" in tok.decode(traj.prompt_token_ids)
+    seqs = []
+    for s in traj.samples:
+        assert not s.error and s.finish_reason == "done" and s.num_turns == 2, (s.error, s.finish_reason)
+        assert s.reward_components["calls"] == 2.0 and s.reward in (0.0, 1.0)
+        ids, mask = list(s.completion.token_ids), list(s.completion.loss_mask)
+        first, second = s.turns
+        expected_mask = [False] * len(ids)
+        for t in s.turns:
+            expected_mask[t.start: t.start + t.num_sampled_tokens] = [True] * t.num_sampled_tokens
+        assert mask == expected_mask
+        fed_back = ids[first.start + first.num_sampled_tokens: second.start]
+        assert len(fed_back) == first.num_env_tokens and "result 579 then" in tok.decode(fed_back)
+        assert tok.decode(fed_back).endswith("<|im_start|>assistant\n")
+        seqs.append(Sequence(list(traj.prompt_token_ids), ids, mask, list(s.logprobs)))
+    # the learner's logprobs of the masked-in ids, in their recorded contexts, are vLLM's
+    micro = pack(seqs, tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=micro.input_ids_BT, attention_mask=micro.attention_mask_BT).logits[:, :-1]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, micro.input_ids_BT[:, 1:, None])[..., 0]
+    diff = (logprobs - micro.behaviour_logprobs_BT).abs()[micro.loss_mask_BT.bool()]
+    assert float(diff.max()) < 2e-3, f"learner vs vLLM logprob gap {float(diff.max()):.2e}"
+
+    (hung,) = got[hanging.group_id].samples
+    assert hung.finish_reason == "agent_timeout" and f"agent_timeout_s={AGENT_TIMEOUT_S}" in hung.error
+    (crashed,) = got[crashing.group_id].samples
+    assert crashed.finish_reason == "agent_crashed" and "the agent fell over" in crashed.error, crashed.error

@@ -11,13 +11,15 @@ import grpc
 import pytest
 
 from rlmesh.learner.builder import POLICY as LEARNER_POLICY
+from rlmesh.reward_server.server import POLICY as REWARD_POLICY
+from rlmesh.reward_server.service import RewardService
 from rlmesh.rollout_server.server import POLICY as ROLLOUT_POLICY
 from rlmesh.services.auth import TLSFiles
 from rlmesh.services.config import load_config
 from rlmesh.services.grpc_client import make_channel
 from rlmesh.services.grpc_server import start_server
 from rlmesh.services.tls_certs import make_certificates
-from rlmesh.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlmesh.v1 import learner_pb2, learner_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.conftest import rlmesh_cmd
 
 pytestmark = pytest.mark.security
@@ -185,6 +187,30 @@ async def test_only_rollout_servers_join_the_learner(certs):
             await learner_pb2_grpc.LearnerServiceStub(channel).RegisterGenerator(
                 learner_pb2.RegisterGeneratorRequest(generator_id="r0", address="127.0.0.1:1"))
         assert servicer.calls == ["RegisterGenerator"]
+    finally:
+        await server.stop(0)
+
+
+async def test_only_rollout_servers_start_agent_episodes_on_the_reward_server(certs):
+    """RunAgent runs the configured agent against the endpoint the caller names: under mutual TLS only
+    a rollout server's certificate may ask for it; the reward server's other methods stay open."""
+    good, _ = certs
+    server = await start_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, RewardService(builtin=[]),
+                                  "rlmesh.v1.RewardService")], port=0, tls=_tls(good, "reward"), policy=REWARD_POLICY)
+    address = f"127.0.0.1:{server.port}"
+    request = reward_pb2.RunAgentRequest(env_name="solver", base_url="http://10.9.9.9/v1", api_key="k")
+    try:
+        for tier in ("learner", "reward"):
+            async with make_channel(address, tls=_tls(good, tier), peer="reward") as channel:
+                stub = reward_pb2_grpc.RewardServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.RunAgent(request)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                await stub.ListEnvironments(reward_pb2.ListEnvironmentsRequest())  # open to every tier
+        async with make_channel(address, tls=_tls(good, "rollout"), peer="reward") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # let through, then refused for what it asks
+                await reward_pb2_grpc.RewardServiceStub(channel).RunAgent(request)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no agent environment 'solver'" in err.value.details()
     finally:
         await server.stop(0)
 

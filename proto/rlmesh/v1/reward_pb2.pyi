@@ -149,3 +149,34 @@ class RegisterEnvironmentResponse(_message.Message):
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     environment: EnvironmentInfo
     def __init__(self, environment: _Optional[_Union[EnvironmentInfo, _Mapping]] = ...) -> None: ...
+
+class RunAgentRequest(_message.Message):
+    __slots__ = ("env_name", "prompt", "env_metadata", "base_url", "api_key")
+    ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ENV_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    env_name: str
+    prompt: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    env_metadata: _struct_pb2.Struct
+    base_url: str
+    api_key: str
+    def __init__(self, env_name: _Optional[str] = ..., prompt: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., env_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., base_url: _Optional[str] = ..., api_key: _Optional[str] = ...) -> None: ...
+
+class RunAgentResponse(_message.Message):
+    __slots__ = ("reward", "components", "error")
+    class ComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reward: float
+    components: _containers.ScalarMap[str, float]
+    error: str
+    def __init__(self, reward: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,11 @@ class RewardServiceStub:
                 request_serializer=rlmesh_dot_v1_dot_reward__pb2.ListEnvironmentsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_reward__pb2.ListEnvironmentsResponse.FromString,
                 _registered_method=True)
+        self.RunAgent = channel.unary_unary(
+                '/rlmesh.v1.RewardService/RunAgent',
+                request_serializer=rlmesh_dot_v1_dot_reward__pb2.RunAgentRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_reward__pb2.RunAgentResponse.FromString,
+                _registered_method=True)
         self.RegisterEnvironment = channel.unary_unary(
                 '/rlmesh.v1.RewardService/RegisterEnvironment',
                 request_serializer=rlmesh_dot_v1_dot_reward__pb2.RegisterEnvironmentRequest.SerializeToString,
@@ -101,6 +106,14 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunAgent(self, request, context):
+        """Run the user's agent (an `agent` environment) for one episode against the rollout server's
+        per-episode OpenAI-compatible endpoint; answers with the agent's reward when it ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterEnvironment(self, request, context):
         """Proxy environment `name` to a remote server that implements RewardService.
         """
@@ -135,6 +148,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.ListEnvironments,
                     request_deserializer=rlmesh_dot_v1_dot_reward__pb2.ListEnvironmentsRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_reward__pb2.ListEnvironmentsResponse.SerializeToString,
+            ),
+            'RunAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunAgent,
+                    request_deserializer=rlmesh_dot_v1_dot_reward__pb2.RunAgentRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_reward__pb2.RunAgentResponse.SerializeToString,
             ),
             'RegisterEnvironment': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterEnvironment,
@@ -277,6 +295,33 @@ class RewardService:
             '/rlmesh.v1.RewardService/ListEnvironments',
             rlmesh_dot_v1_dot_reward__pb2.ListEnvironmentsRequest.SerializeToString,
             rlmesh_dot_v1_dot_reward__pb2.ListEnvironmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.RewardService/RunAgent',
+            rlmesh_dot_v1_dot_reward__pb2.RunAgentRequest.SerializeToString,
+            rlmesh_dot_v1_dot_reward__pb2.RunAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

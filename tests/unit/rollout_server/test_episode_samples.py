@@ -1,19 +1,10 @@
 """How a finished or failed episode becomes a Sample: the group's shared prompt, the loss mask,
 turn offsets, and what `rollout.episode.on_error` does with a failure."""
 
-from types import SimpleNamespace
-
 import pytest
 
-from rlmesh.learner.devtools.tiny_model import build_tokenizer
+from rlmesh.rollout_server.episode import EpisodeTrace, common_prefix, trace_sample
 from rlmesh.v1 import common_pb2
-from rlmesh.rollout_server.episode import EpisodeRunner, EpisodeTrace, _common_prefix
-from rlmesh.services.config import EpisodeSection
-
-
-def _runner(**episode) -> EpisodeRunner:
-    generator = SimpleNamespace(tokenizer=build_tokenizer("bytes"), version=3)
-    return EpisodeRunner(generator, pool=None, cfg=EpisodeSection(**episode), max_model_len=256)
 
 
 def _trace(error: str = "") -> EpisodeTrace:
@@ -28,12 +19,12 @@ def _trace(error: str = "") -> EpisodeTrace:
 
 
 def test_common_prefix():
-    assert _common_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == [1, 2]
-    assert _common_prefix([[5], [6]]) == []
+    assert common_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == [1, 2]
+    assert common_prefix([[5], [6]]) == []
 
 
 def test_the_unshared_prompt_tail_opens_the_completion_masked_out():
-    sample = _runner()._sample(0, _trace(), num_shared=3)
+    sample = trace_sample(0, _trace(), 3, version=3)
     assert list(sample.completion.token_ids) == [9, 9, 7, 8, 5, 6]
     assert list(sample.completion.loss_mask) == [False, False, True, True, False, False]
     assert list(sample.logprobs) == pytest.approx([0.0, 0.0, -0.1, -0.2, 0.0, 0.0])
@@ -42,17 +33,17 @@ def test_the_unshared_prompt_tail_opens_the_completion_masked_out():
 
 
 def test_a_failed_episode_is_dropped_by_default():
-    sample = _runner()._sample(0, _trace("slow"), num_shared=5)
+    sample = trace_sample(0, _trace("slow"), 5, version=3)
     assert sample.error == "step_timeout: slow" and sample.finish_reason == "step_timeout"
 
 
 def test_a_failed_episode_is_trained_with_error_reward_under_penalize():
-    sample = _runner(on_error="penalize", error_reward=-1.0)._sample(0, _trace("slow"), num_shared=5)
+    sample = trace_sample(0, _trace("slow"), 5, version=3, error_reward=-1.0)
     assert not sample.error and sample.reward == -1.0
     assert sample.reward_components["episode_failed"] == 1.0 and sample.finish_reason == "step_timeout"
 
 
 def test_an_episode_that_failed_before_sampling_is_never_trained():
     trace = EpisodeTrace(context=[], num_prompt=0, error="env_error: Reset failed", finish_reason="env_error")
-    sample = _runner(on_error="penalize")._sample(0, trace, num_shared=0)
+    sample = trace_sample(0, trace, 0, version=3, error_reward=0.0)
     assert sample.error == "env_error: Reset failed" and not sample.completion.token_ids

@@ -1,0 +1,105 @@
+"""`agent` environments: the user's own agent, run unchanged for one episode in a process of its own.
+
+The agent is `module:function`, called as `function(prompt, metadata)` (sync or async): `prompt` is
+the task's chat messages (a list of dicts), `metadata` its env_metadata. It talks to the policy
+through any OpenAI client: its process gets `OPENAI_BASE_URL` and `OPENAI_API_KEY` pointing at the
+episode's endpoint on the rollout server (`rlmesh.rollout_server.agent_endpoint`), and nothing else
+secret (the variables of `reward.function_env`, as reward functions get). It returns the episode's
+reward: a number, or `{"reward": r, "components": {...}}`.
+
+Each episode is a fresh process, killed (with its children) when it passes `reward.agent_timeout_s`;
+an agent that raises, exits, prints something other than its answer last, or returns a reward that
+is not a finite number ends its episode with a named reason (`agent_timeout`, `agent_crashed`,
+`agent_bad_reward`), which the rollout server reports instead of training on the episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from rlmesh.reward_server.function_workers import worker_env
+
+log = logging.getLogger(__name__)
+
+_RUNNER = "rlmesh.reward_server.environments.agent_process"
+_ERR_TAIL = 2000
+
+
+@dataclass
+class AgentResult:
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+
+class AgentEnvironment:
+    kind = "agent"
+
+    def __init__(self, name: str, path: str, *, timeout_s: float, env: tuple[str, ...] = (),
+                 max_concurrency: int = 8) -> None:
+        module, sep, attr = path.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError(f"reward.agents.{name}={path!r} must look like 'package.module:function'")
+        self.name, self.path, self.timeout_s, self.env = name, path, timeout_s, env
+        self.description = f"agent {path}"
+        self._slots = asyncio.Semaphore(max_concurrency)  # episodes whose agent process runs at once
+
+    async def run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
+        async with self._slots:
+            return await self._run(prompt, metadata, base_url, api_key)
+
+    async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
+        env = {**worker_env(self.env), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", _RUNNER, self.path, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+        task = json.dumps({"prompt": prompt, "metadata": metadata}).encode()
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(task), self.timeout_s)
+        except TimeoutError:
+            _kill(proc)
+            await proc.wait()
+            return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
+                                     f"{self.timeout_s}s and was killed")
+        except asyncio.CancelledError:  # the caller gave up (its deadline): the agent goes with it
+            _kill(proc)
+            raise
+        tail = err.decode(errors="replace")[-_ERR_TAIL:].strip()
+        if proc.returncode != 0:
+            return AgentResult(error=f"agent_crashed: agent {self.path} exited with {proc.returncode}: "
+                                     f"{tail or '(no output on stderr)'}")
+        return parse_answer(self.path, out.decode(errors="replace"))
+
+
+def parse_answer(path: str, stdout: str) -> AgentResult:
+    """The reward on the agent process's last line of stdout."""
+    lines = stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or "reward" not in answer:
+        return AgentResult(error=f"agent_crashed: agent {path} gave no answer line")
+    reward, components = answer["reward"], answer.get("components") or {}
+    ok = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward) \
+        and isinstance(components, dict) \
+        and all(isinstance(v, (int, float)) and math.isfinite(v) for v in components.values())
+    if not ok:
+        return AgentResult(error=f"agent_bad_reward: agent {path} returned {answer['reward']!r} "
+                                 f"(components {components!r}); return a finite number or "
+                                 "{'reward': number, 'components': {name: number}}")
+    return AgentResult(float(reward), {str(k): float(v) for k, v in components.items()})
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
