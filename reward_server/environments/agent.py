@@ -22,6 +22,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 from rlmesh.reward_server.function_workers import worker_env
@@ -57,20 +58,24 @@ class AgentEnvironment:
 
     async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
         env = {**worker_env(self.env), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", _RUNNER, self.path, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
-        task = json.dumps({"prompt": prompt, "metadata": metadata}).encode()
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(task), self.timeout_s)
-        except TimeoutError:
-            _kill(proc)
-            await proc.wait()
-            return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
-                                     f"{self.timeout_s}s and was killed")
-        except asyncio.CancelledError:  # the caller gave up (its deadline): the agent goes with it
-            _kill(proc)
-            raise
+        # The task goes in a file only this user can read (a pipe to a process that may exit at once
+        # races the event loop's transport); the process removes nothing, this does.
+        with tempfile.NamedTemporaryFile("w", prefix="rlmesh-agent-", suffix=".json") as task:
+            json.dump({"prompt": prompt, "metadata": metadata}, task)
+            task.flush()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", _RUNNER, self.path, task.name, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+            except TimeoutError:
+                _kill(proc)
+                await proc.wait()
+                return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
+                                         f"{self.timeout_s}s and was killed")
+            except asyncio.CancelledError:  # the caller gave up (its deadline): the agent goes with it
+                _kill(proc)
+                raise
         tail = err.decode(errors="replace")[-_ERR_TAIL:].strip()
         if proc.returncode != 0:
             return AgentResult(error=f"agent_crashed: agent {self.path} exited with {proc.returncode}: "

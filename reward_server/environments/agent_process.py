@@ -1,5 +1,5 @@
 """The process one agent episode runs in: `python -m rlmesh.reward_server.environments.agent_process
-module:function`. Reads the task ({"prompt", "metadata"}) as JSON on stdin, calls the agent, and
+module:function TASK_FILE`. Reads the task ({"prompt", "metadata"}) as JSON from the file, calls the agent, and
 writes its answer ({"reward", "components"}) as the last line of stdout; whatever the agent prints
 goes to stderr, so it cannot be taken for the answer."""
 
@@ -16,7 +16,8 @@ from rlmesh.reward_server.environments.base import load_callable
 def main() -> None:
     answer_to = sys.stdout
     sys.stdout = sys.stderr  # an agent's prints go to the log, never into the answer
-    task = json.loads(sys.stdin.read())
+    with open(sys.argv[2]) as f:
+        task = json.load(f)
     agent = load_callable(sys.argv[1])
     result = agent(task["prompt"], task["metadata"])
     if inspect.isawaitable(result):

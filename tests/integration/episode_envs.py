@@ -85,6 +85,24 @@ def tool_agent(prompt: list[dict], metadata: dict) -> dict:
     return {"reward": float(len(second.choices[0].message.content or "") % 2), "components": {"calls": 2.0}}
 
 
+def sdk_agent(prompt: list[dict], metadata: dict) -> float:
+    """An agent written with the OpenAI Agents SDK as its users write one (a function tool, the Runner),
+    on chat completions; it finds the endpoint and key in OPENAI_BASE_URL / OPENAI_API_KEY."""
+    from agents import Agent, Runner, function_tool, set_default_openai_api, set_tracing_disabled
+
+    set_default_openai_api("chat_completions")
+    set_tracing_disabled(True)
+
+    @function_tool
+    def lookup(a: int) -> str:
+        """Look a number up."""
+        return f"result {a}"
+
+    agent = Agent(name="solver", instructions="Use the lookup tool, then answer.", tools=[lookup])
+    result = Runner.run_sync(agent, prompt[-1]["content"], max_turns=4)
+    return float(str(int(metadata["answer"])) in str(result.final_output))
+
+
 def hanging_agent(prompt: list[dict], metadata: dict) -> float:
     time.sleep(3600)
     return 1.0

@@ -73,7 +73,8 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
     far_cfg = {**base, "reward": {"functions": {"far": f"{ENVS}:SleepyTool"}}}
     main_cfg = {**base, "reward": {"functions": {"lookup": f"{ENVS}:LookupTools", "sleepy": f"{ENVS}:SleepyTool",
                                                  "raising": f"{ENVS}:RaisingTool"},
-                                   "agents": {"tool_agent": f"{ENVS}:tool_agent", "hanging": f"{ENVS}:hanging_agent",
+                                   "agents": {"tool_agent": f"{ENVS}:tool_agent", "sdk_agent": f"{ENVS}:sdk_agent",
+                                              "hanging": f"{ENVS}:hanging_agent",
                                               "crashing": f"{ENVS}:crashing_agent"},
                                    "agent_timeout_s": AGENT_TIMEOUT_S,
                                    "remote": {"far": f"127.0.0.1:{far_port}"},
@@ -234,9 +235,10 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     good, hanging, crashing = _group("tool_agent", 3, answer=579), _group("hanging", 1), _group("crashing", 1)
-    for g in (good, hanging, crashing):
+    sdk = _group("sdk_agent", 2, answer=579)
+    for g in (good, sdk, hanging, crashing):
         await mesh["prompts"].publish(g.group_id, g.SerializeToString())
-    got = await _collect(mesh, {g.group_id for g in (good, hanging, crashing)})
+    got = await _collect(mesh, {g.group_id for g in (good, sdk, hanging, crashing)})
     tok = AutoTokenizer.from_pretrained(mesh["model"])
     model = AutoModelForCausalLM.from_pretrained(mesh["model"], dtype=torch.float32).eval()
     bounds = Bounds(vocab_size=model.config.vocab_size, max_abs_reward=1e4,
@@ -267,6 +269,14 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
     logprobs = torch.log_softmax(logits.float(), -1).gather(-1, micro.input_ids_BT[:, 1:, None])[..., 0]
     diff = (logprobs - micro.behaviour_logprobs_BT).abs()[micro.loss_mask_BT.bool()]
     assert float(diff.max()) < 2e-3, f"learner vs vLLM logprob gap {float(diff.max()):.2e}"
+
+    # The OpenAI Agents SDK's own loop, unchanged: its chat-completions calls are recorded the same way.
+    assert problems(got[sdk.group_id], sdk, 0, bounds) == ""
+    assert "lookup(a)" in tok.decode(got[sdk.group_id].prompt_token_ids)  # its function tool, templated
+    for s in got[sdk.group_id].samples:
+        assert not s.error and s.finish_reason == "done" and s.num_turns >= 1 and s.reward in (0.0, 1.0), s.error
+        mask = list(s.completion.loss_mask)
+        assert sum(mask) == sum(t.num_sampled_tokens for t in s.turns) > 0
 
     (hung,) = got[hanging.group_id].samples
     assert hung.finish_reason == "agent_timeout" and f"agent_timeout_s={AGENT_TIMEOUT_S}" in hung.error
