@@ -36,6 +36,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
@@ -188,7 +189,7 @@ class AgentEndpoint:
         self.max_total = min(cfg.max_total_tokens or rollout.max_model_len, rollout.max_model_len)
         self.max_tokens = cfg.max_tokens or rollout.max_tokens
         self.codec = ChatCodec(generator.tokenizer)
-        self.model_name = generator.model_path
+        self.model_name = Path(generator.model_path).name
         self._episodes: dict[bytes, AgentEpisode] = {}
         self._runner: web.AppRunner | None = None
         self.url = ""

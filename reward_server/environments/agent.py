@@ -16,13 +16,16 @@ is not a finite number ends its episode with a named reason (`agent_timeout`, `a
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from rlmesh.reward_server.function_workers import worker_env
@@ -51,6 +54,8 @@ class AgentEnvironment:
         self.name, self.path, self.timeout_s, self.env = name, path, timeout_s, env
         self.description = f"agent {path}"
         self._slots = asyncio.Semaphore(max_concurrency)  # episodes whose agent process runs at once
+        # one waiting thread per running episode, never shared with the loop's default pool
+        self._waiters = ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"agent-{name}")
 
     async def run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
         async with self._slots:
@@ -58,19 +63,19 @@ class AgentEnvironment:
 
     async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
         env = {**worker_env(self.env), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-        # The task goes in a file only this user can read (a pipe to a process that may exit at once
-        # races the event loop's transport); the process removes nothing, this does.
+        # The task goes in a file only this user can read; the process is started and waited for in a
+        # thread with plain subprocess (as the reward-function workers are), not the event loop's.
         with tempfile.NamedTemporaryFile("w", prefix="rlmesh-agent-", suffix=".json") as task:
             json.dump({"prompt": prompt, "metadata": metadata}, task)
             task.flush()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", _RUNNER, self.path, task.name, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-m", _RUNNER, self.path, task.name], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
-            except TimeoutError:
+                out, err = await asyncio.get_running_loop().run_in_executor(
+                    self._waiters, functools.partial(proc.communicate, timeout=self.timeout_s))
+            except subprocess.TimeoutExpired:
                 _kill(proc)
-                await proc.wait()
+                await asyncio.get_running_loop().run_in_executor(self._waiters, proc.communicate)
                 return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
                                          f"{self.timeout_s}s and was killed")
             except asyncio.CancelledError:  # the caller gave up (its deadline): the agent goes with it
@@ -81,6 +86,10 @@ class AgentEnvironment:
             return AgentResult(error=f"agent_crashed: agent {self.path} exited with {proc.returncode}: "
                                      f"{tail or '(no output on stderr)'}")
         return parse_answer(self.path, out.decode(errors="replace"))
+
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=True)
 
 
 def parse_answer(path: str, stdout: str) -> AgentResult:
@@ -103,7 +112,7 @@ def parse_answer(path: str, stdout: str) -> AgentResult:
     return AgentResult(float(reward), {str(k): float(v) for k, v in components.items()})
 
 
-def _kill(proc: asyncio.subprocess.Process) -> None:
+def _kill(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

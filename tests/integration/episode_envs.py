@@ -103,6 +103,53 @@ def sdk_agent(prompt: list[dict], metadata: dict) -> float:
     return float(str(int(metadata["answer"])) in str(result.final_output))
 
 
+def probing_agent(prompt: list[dict], metadata: dict) -> dict:
+    """Tries its endpoint as a careless or hostile client would, then makes real calls up to its call
+    budget, the last one streamed; reports every HTTP status it got as a reward component."""
+    import json
+    import os
+
+    import httpx
+    from openai import OpenAI
+
+    url, key = os.environ["OPENAI_BASE_URL"] + "/chat/completions", os.environ["OPENAI_API_KEY"]
+    ok = {"role": "user", "content": "hi"}
+    status = {}
+    tries = {"no_key": ({}, {"messages": [ok]}), "wrong_key": ({"Authorization": "Bearer rlm-ep-guess"}, {"messages": [ok]}),
+             "empty": (None, {"messages": []}), "bad_role": (None, {"messages": [{"role": "wizard", "content": "x"}]}),
+             "n2": (None, {"n": 2, "messages": [ok]}), "too_many": (None, {"messages": [ok] * (int(metadata["max_messages"]) + 1)}),
+             "oversized": (None, {"messages": [{"role": "user", "content": "x" * int(metadata["max_bytes"])}]})}
+    with httpx.Client(timeout=60) as http:
+        for name, (headers, body) in tries.items():
+            r = http.post(url, content=json.dumps(body), headers={"Content-Type": "application/json",
+                                                                   **({"Authorization": f"Bearer {key}"} if headers is None else headers)})
+            status[name] = r.status_code
+        status["not_json"] = http.post(url, content=b"{not json", headers={"Authorization": f"Bearer {key}"}).status_code
+    client = OpenAI(max_retries=0)
+    messages = list(prompt)
+    for _ in range(int(metadata["max_calls"]) - 1):
+        said = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+        messages += [{"role": "assistant", "content": said.content}, {"role": "user", "content": "more"}]
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(model="policy", messages=messages, stream=True) if c.choices)
+    try:
+        client.chat.completions.create(model="policy", messages=messages)
+    except Exception as err:  # openai.RateLimitError: the budget is spent
+        status["over_budget"] = getattr(err, "status_code", 0)
+    return {"reward": 0.0, "components": {**{k: float(v) for k, v in status.items()}, "streamed_chars": len(streamed)}}
+
+
+def editing_agent(prompt: list[dict], metadata: dict) -> float:
+    """Rewrites what the model said before asking again, as memory-summarising agents do."""
+    from openai import OpenAI
+
+    client = OpenAI(max_retries=0)
+    client.chat.completions.create(model="policy", messages=prompt)
+    client.chat.completions.create(model="policy", messages=[*prompt, {"role": "assistant", "content": "edited"},
+                                                               {"role": "user", "content": "go on"}])
+    return 1.0
+
+
 def hanging_agent(prompt: list[dict], metadata: dict) -> float:
     time.sleep(3600)
     return 1.0

@@ -34,6 +34,7 @@ ENVS = "tests.integration.episode_envs"
 STEP_TIMEOUT_S = 2.0
 MAX_TURNS = 3
 AGENT_TIMEOUT_S = 20.0
+AGENT_MAX_CALLS, AGENT_MAX_BYTES = 4, 16384
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +69,14 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
         "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
         "rollout": {"max_tokens": 10, "max_model_len": 512, "temperature": 1.0,
                     "episode": {"max_turns": MAX_TURNS, "step_timeout_s": STEP_TIMEOUT_S},
-                    "agent_endpoint": {"enabled": True}},
+                    "agent_endpoint": {"enabled": True, "max_calls": AGENT_MAX_CALLS,
+                                       "max_request_bytes": AGENT_MAX_BYTES, "max_messages": 16}},
     }
     far_cfg = {**base, "reward": {"functions": {"far": f"{ENVS}:SleepyTool"}}}
     main_cfg = {**base, "reward": {"functions": {"lookup": f"{ENVS}:LookupTools", "sleepy": f"{ENVS}:SleepyTool",
                                                  "raising": f"{ENVS}:RaisingTool"},
                                    "agents": {"tool_agent": f"{ENVS}:tool_agent", "sdk_agent": f"{ENVS}:sdk_agent",
+                                              "probing": f"{ENVS}:probing_agent", "editing": f"{ENVS}:editing_agent",
                                               "hanging": f"{ENVS}:hanging_agent",
                                               "crashing": f"{ENVS}:crashing_agent"},
                                    "agent_timeout_s": AGENT_TIMEOUT_S,
@@ -236,9 +239,12 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
 
     good, hanging, crashing = _group("tool_agent", 3, answer=579), _group("hanging", 1), _group("crashing", 1)
     sdk = _group("sdk_agent", 2, answer=579)
-    for g in (good, sdk, hanging, crashing):
+    probing = _group("probing", 1, max_calls=AGENT_MAX_CALLS, max_bytes=AGENT_MAX_BYTES, max_messages=16)
+    editing = _group("editing", 1)
+    groups = (good, sdk, probing, editing, hanging, crashing)
+    for g in groups:
         await mesh["prompts"].publish(g.group_id, g.SerializeToString())
-    got = await _collect(mesh, {g.group_id for g in (good, sdk, hanging, crashing)})
+    got = await _collect(mesh, {g.group_id for g in groups})
     tok = AutoTokenizer.from_pretrained(mesh["model"])
     model = AutoModelForCausalLM.from_pretrained(mesh["model"], dtype=torch.float32).eval()
     bounds = Bounds(vocab_size=model.config.vocab_size, max_abs_reward=1e4,
@@ -277,6 +283,22 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
         assert not s.error and s.finish_reason == "done" and s.num_turns >= 1 and s.reward in (0.0, 1.0), s.error
         mask = list(s.completion.loss_mask)
         assert sum(mask) == sum(t.num_sampled_tokens for t in s.turns) > 0
+
+    # A client trying its endpoint: strangers 401, bad requests 400/413 naming nothing trained, the call
+    # budget 429; what it streamed is what was sampled; the refused requests never reached the model.
+    (probe,) = got[probing.group_id].samples
+    assert not probe.error, probe.error
+    statuses = {k: int(v) for k, v in probe.reward_components.items() if k != "streamed_chars"}
+    assert statuses == {"no_key": 401, "wrong_key": 401, "empty": 400, "bad_role": 400, "n2": 400, "too_many": 400,
+                        "oversized": 413, "not_json": 400, "over_budget": 429}
+    assert not probe.error and probe.finish_reason == "max_calls" and probe.num_turns == AGENT_MAX_CALLS
+    last = probe.turns[-1]
+    streamed = tok.decode(probe.completion.token_ids[last.start: last.start + last.num_sampled_tokens],
+                          skip_special_tokens=True)
+    assert probe.reward_components["streamed_chars"] == len(streamed)
+    # An agent that rewrote the model's words: answered, but never trained (the ids would not be the sampled ones).
+    (edited,) = got[editing.group_id].samples
+    assert edited.finish_reason == "history_edited" and edited.error.startswith("history_edited"), edited.error
 
     (hung,) = got[hanging.group_id].samples
     assert hung.finish_reason == "agent_timeout" and f"agent_timeout_s={AGENT_TIMEOUT_S}" in hung.error
