@@ -324,14 +324,7 @@ class AgentEndpoint:
         request_id = f"{episode.group.group_id}-{episode.index}-a{episode.calls}-{uuid.uuid4().hex[:8]}"
         episode.calls += 1
         gen = await self.generator.generate_ids(trace.context, params, request_id)
-        trace.turns.append(common_pb2.Turn(start=len(trace.completion), num_sampled_tokens=len(gen.token_ids),
-                                           min_version=gen.min_version, max_version=gen.max_version,
-                                           finish_reason=gen.finish_reason))
-        trace.context += gen.token_ids
-        trace.completion += gen.token_ids
-        trace.loss_mask += [True] * len(gen.token_ids)
-        trace.logprobs += gen.logprobs
-        trace.text.append(gen.text)
+        trace.add_sampled(gen)
         content, calls = parse_tool_calls(gen.text) if body.tools else (gen.text, [])
         said: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:

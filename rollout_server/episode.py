@@ -37,7 +37,7 @@ from rlmesh.services.grpc_client import rpc_problem
 from rlmesh.services.retry import retry
 
 if TYPE_CHECKING:
-    from rlmesh.rollout_server.generator import VLLMGenerator
+    from rlmesh.rollout_server.generator import Generation, VLLMGenerator
     from rlmesh.rollout_server.reward_client import Replica, RewardPool
     from rlmesh.services.config import EpisodeSection
 
@@ -66,6 +66,19 @@ class EpisodeTrace:
     finish_reason: str = ""
     error: str = ""
     text: list[str] = field(default_factory=list)
+
+    def add_sampled(self, gen: Generation) -> common_pb2.Turn:
+        """One generation's ids, logprobs and text, appended as a turn (loss mask true)."""
+        turn = common_pb2.Turn(start=len(self.completion), num_sampled_tokens=len(gen.token_ids),
+                               min_version=gen.min_version, max_version=gen.max_version,
+                               finish_reason=gen.finish_reason)
+        self.turns.append(turn)
+        self.context += gen.token_ids
+        self.completion += gen.token_ids
+        self.loss_mask += [True] * len(gen.token_ids)
+        self.logprobs += gen.logprobs
+        self.text.append(gen.text)
+        return turn
 
     def add_env(self, ids: list[int]) -> None:
         self.context += ids
@@ -141,15 +154,7 @@ class EpisodeRunner:
                 gen = await self.generator.generate_ids(trace.context, params, request_id)
             except ValueError as err:  # vLLM refused the request (e.g. the context no longer fits)
                 raise EpisodeFailed("invalid_request", str(err)) from None
-            record = common_pb2.Turn(start=len(trace.completion), num_sampled_tokens=len(gen.token_ids),
-                                     min_version=gen.min_version, max_version=gen.max_version,
-                                     finish_reason=gen.finish_reason)
-            trace.turns.append(record)
-            trace.context += gen.token_ids
-            trace.completion += gen.token_ids
-            trace.loss_mask += [True] * len(gen.token_ids)
-            trace.logprobs += gen.logprobs
-            trace.text.append(gen.text)
+            record = trace.add_sampled(gen)
 
             t0 = time.monotonic()
             action = common_pb2.ChatMessage(role="assistant", content=gen.text)

@@ -67,6 +67,13 @@ def test_the_pages_exist():
     assert (REPO / "docs").is_dir() and len(PAGES) > 3
 
 
+def test_the_readme_links_every_docs_page():
+    """README.md is the front door: a page it does not link is a page nobody finds."""
+    linked = {(REPO / target.partition("#")[0]).resolve() for target in LINK.findall((REPO / "README.md").read_text())
+              if not target.startswith(EXTERNAL)}
+    assert sorted(p.name for p in (REPO / "docs").glob("*.md") if p.resolve() not in linked) == []
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_relative_link_resolves(page: Path):
     problems = broken_links(page)
