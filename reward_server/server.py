@@ -89,6 +89,9 @@ async def serve(config: RunConfig, port: int) -> None:
     await server.serve_forever(grace_s=5.0)
     reaper.cancel()
     function_health.cancel()
+    for env in service.local.values():
+        if isinstance(env, AgentEnvironment):
+            env.close()  # agents still running are killed, not waited for
 
 
 async def report_function_health(service: RewardService, server: Server, period_s: float = 1.0) -> None:

@@ -56,6 +56,7 @@ class AgentEnvironment:
         self._slots = asyncio.Semaphore(max_concurrency)  # episodes whose agent process runs at once
         # one waiting thread per running episode, never shared with the loop's default pool
         self._waiters = ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"agent-{name}")
+        self._running: set[subprocess.Popen] = set()
 
     async def run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
         async with self._slots:
@@ -70,6 +71,7 @@ class AgentEnvironment:
             task.flush()
             proc = subprocess.Popen([sys.executable, "-m", _RUNNER, self.path, task.name], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+            self._running.add(proc)
             try:
                 out, err = await asyncio.get_running_loop().run_in_executor(
                     self._waiters, functools.partial(proc.communicate, timeout=self.timeout_s))
@@ -81,14 +83,18 @@ class AgentEnvironment:
             except asyncio.CancelledError:  # the caller gave up (its deadline): the agent goes with it
                 _kill(proc)
                 raise
+            finally:
+                self._running.discard(proc)
         tail = err.decode(errors="replace")[-_ERR_TAIL:].strip()
         if proc.returncode != 0:
             return AgentResult(error=f"agent_crashed: agent {self.path} exited with {proc.returncode}: "
                                      f"{tail or '(no output on stderr)'}")
         return parse_answer(self.path, out.decode(errors="replace"))
 
-
     def close(self) -> None:
+        """Kills the agents still running (their waiting threads then return at once)."""
+        for proc in list(self._running):
+            _kill(proc)
         self._waiters.shutdown(wait=False, cancel_futures=True)
 
 
