@@ -69,8 +69,9 @@ class AgentEnvironment:
         with tempfile.NamedTemporaryFile("w", prefix="rlmesh-agent-", suffix=".json") as task:
             json.dump({"prompt": prompt, "metadata": metadata}, task)
             task.flush()
-            proc = subprocess.Popen([sys.executable, "-m", _RUNNER, self.path, task.name], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+            argv = [sys.executable, "-m", _RUNNER, self.path, task.name, str(os.getpid())]
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=env, start_new_session=True)
             self._running.add(proc)
             try:
                 out, err = await asyncio.get_running_loop().run_in_executor(

@@ -24,3 +24,26 @@ def test_anything_else_ends_the_episode_with_a_named_reason(stdout, reason):
 def test_the_agent_path_is_checked_when_configured():
     with pytest.raises(ValueError, match="reward.agents.solver='nocolon' must look like"):
         AgentEnvironment("solver", "nocolon", timeout_s=1.0)
+
+
+def test_an_agent_dies_with_its_reward_server():
+    """A reward server killed outright (SIGKILL: no cleanup runs) leaves no agent behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = ("import asyncio\nfrom rlmesh.reward_server.environments.agent import AgentEnvironment\n"
+            "env = AgentEnvironment('h', 'tests.integration.episode_envs:hanging_agent', timeout_s=600)\n"
+            "asyncio.run(env.run([{'role': 'user', 'content': 'x'}], {}, 'http://127.0.0.1:9/v1', 'k'))\n")
+    server = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 30
+    while not (agents := psutil.Process(server.pid).children(recursive=True)):
+        assert time.monotonic() < deadline, "the agent never started"
+        time.sleep(0.2)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    gone, alive = psutil.wait_procs(agents, timeout=10)
+    assert alive == [] and gone
