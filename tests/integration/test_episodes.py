@@ -295,7 +295,8 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
     last = probe.turns[-1]
     streamed = tok.decode(probe.completion.token_ids[last.start: last.start + last.num_sampled_tokens],
                           skip_special_tokens=True)
-    assert probe.reward_components["streamed_chars"] == len(streamed)
+    # vLLM's detokenizer holds back a final incomplete UTF-8 sequence that a plain decode shows as U+FFFD
+    assert probe.reward_components["streamed_chars"] == len(streamed.rstrip("\ufffd"))
     # An agent that rewrote the model's words: answered, but never trained (the ids would not be the sampled ones).
     (edited,) = got[editing.group_id].samples
     assert edited.finish_reason == "history_edited" and edited.error.startswith("history_edited"), edited.error
