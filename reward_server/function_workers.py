@@ -26,6 +26,7 @@ import os
 import queue
 import resource
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -243,20 +244,23 @@ def _as_answer(value: Any) -> dict:
     return {"error": f"reward function returned {type(value).__name__}, expected a float or a dict with 'reward'"}
 
 
-def _exit_with_parent() -> None:
-    """Exit when the reward server is gone, however it went (a stuck call never reads its input)."""
-    parent = os.getppid()
+def exit_with_parent(parent: int, *, with_group: bool = False) -> None:
+    """Exit when the reward server (pid `parent`) is gone, however it went (a stuck call never reads
+    its input); `with_group` takes this process's group along (what an agent started). Given the pid
+    rather than read here, a server that died before this ran is noticed at once."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
+        if with_group:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
-    _exit_with_parent()
+    exit_with_parent(os.getppid())
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the function's prints go to the server's log, not into the answers
     sys.stdout = sys.stderr

@@ -177,7 +177,6 @@ class AgentEpisode:
     history: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     calls: int = 0
-    ended_with_eos: bool = True
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -332,7 +331,6 @@ class AgentEndpoint:
                                                                     "arguments": _arguments(c["function"]["arguments"])}}
                                   for c in calls]
         episode.history = messages + [said]
-        episode.ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] == self.codec.eos_id
         return self._reply(gen, content, calls, len(trace.context) - len(gen.token_ids), body.logprobs)
 
     def _extend_context(self, episode: AgentEpisode, messages: list[dict[str, Any]],
@@ -347,7 +345,8 @@ class AgentEndpoint:
             new = messages[len(kept):]
             if (len(messages) > len(kept) and all(_same(a, b) for a, b in zip(messages, kept))
                     and tools == episode.tools and all(m["role"] != "assistant" for m in new)):
-                ids = self.codec.continuation(new, tools, episode.ended_with_eos)
+                # the context ends with the last call's sampled ids: did the model close its turn?
+                ids = self.codec.continuation(new, tools, trace.context[-1] == self.codec.eos_id)
                 trace.add_env(ids)
                 trace.turns[-1].num_env_tokens = len(ids)
                 return

@@ -28,7 +28,6 @@ class AgentRunner:
 
     def __init__(self, endpoint: AgentEndpoint | None, pool: RewardPool, timeout_s: float) -> None:
         self.endpoint, self.pool, self.timeout_s = endpoint, pool, timeout_s
-        self.num_failed = 0
 
     async def run_group(self, group: common_pb2.PromptGroup) -> tuple[list[int], list[common_pb2.Sample]]:
         if self.endpoint is None:
@@ -65,7 +64,6 @@ class AgentRunner:
         started = [e.trace.context[: e.trace.num_prompt] for e in episodes if e.trace.num_prompt]
         shared = common_prefix(started) if started else []
         samples = [self.endpoint.close(e, len(shared)) for e in episodes]
-        self.num_failed += sum(1 for s in samples if s.error)
         for s in samples:
             if s.error:
                 log.warning("group %s agent episode %d failed: %s", group.group_id, s.index, s.error)

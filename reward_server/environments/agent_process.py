@@ -1,6 +1,6 @@
 """The process one agent episode runs in: `python -m rlmesh.reward_server.environments.agent_process
-module:function TASK_FILE SERVER_PID`. Reads the task ({"prompt", "metadata"}) as JSON from the file, calls the agent, and
-writes its answer ({"reward", "components"}) as the last line of stdout; whatever the agent prints
+module:function TASK_FILE SERVER_PID`. Reads the task ({"prompt", "metadata"}) as JSON from the file,
+calls the agent, and writes its answer ({"reward", "components"}) as the last line of stdout; whatever the agent prints
 goes to stderr, so it cannot be taken for the answer. If the reward server goes, however it went, the
 agent goes too, with whatever it started (its process group)."""
 
@@ -9,29 +9,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import os
-import signal
 import sys
-import threading
-import time
 
 from rlmesh.reward_server.environments.base import load_callable
-
-
-def _die_with_the_server(server: int) -> None:
-    """`server` is the pid that started this process: if it is already gone (orphaned before this
-    ran), getppid() differs at once."""
-
-    def watch() -> None:
-        while os.getppid() == server:
-            time.sleep(1.0)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="server-watch", daemon=True).start()
+from rlmesh.reward_server.function_workers import exit_with_parent
 
 
 def main() -> None:
-    _die_with_the_server(int(sys.argv[3]))
+    exit_with_parent(int(sys.argv[3]), with_group=True)
     answer_to = sys.stdout
     sys.stdout = sys.stderr  # an agent's prints go to the log, never into the answer
     with open(sys.argv[2]) as f:

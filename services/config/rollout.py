@@ -40,7 +40,7 @@ class AgentEndpointSection(Section):
     max_total_tokens: int | None = Field(None, ge=2)
     """Context of one episode (prompt, every call's tokens, every appended message); unset: rollout.max_model_len."""
     max_tokens: int | None = Field(None, ge=1)
-    """Cap on one call's completion (an agent's max_tokens lowers it); unset: rollout.max_tokens."""
+    """Cap on one call's completion, at most rollout.max_tokens (every generation's cap); an agent's max_tokens lowers it; unset: rollout.max_tokens."""
     episode_timeout_s: float = Field(600.0, gt=0)
     """Life of an episode's key from its opening; past it calls are refused and the episode ends with `episode_timeout`."""
     max_request_bytes: int = Field(1 << 20, ge=1024)
