@@ -38,7 +38,8 @@ test-unit: setup bench-setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # The compose stack in a real Docker engine (installs and starts one if absent; builds the images
-# offline): opt-in, about 15 minutes here. .ci/run runs it after `make test`.
+# offline), then a Slurm cluster of containers running deploy/slurm/rlmesh.sbatch: opt-in, about 20
+# minutes here. .ci/run runs it after `make test`.
 test-containers: setup
 	$(PY) -m pytest tests/containers --containers $(PYTEST_ARGS)
 

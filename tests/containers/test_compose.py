@@ -145,10 +145,9 @@ def _wait(predicate, timeout: float, what: str, stack: Stack) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rlmesh_images):
     """Build the images, bring the stack up clean, inject the faults, wait for the learner to finish;
     yields what the tests check. `down` happens here and its leftovers are returned too."""
-    subprocess.run([str(STACK), "images"], check=True, timeout=1800)
     # The containers run as uid 10001 and read the config through a bind mount: pytest's own tmp
     # directories are private to root (0700), so the config goes where that user can read it.
     config_dir = Path(tempfile.mkdtemp(prefix="rlmesh-compose-config-"))

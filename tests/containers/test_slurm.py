@@ -1,0 +1,248 @@
+"""rlmesh on a real Slurm cluster (opt-in: `make test-containers`): Debian's Slurm 22.05 in five
+containers of one Docker network (slurmctld and node1..node4, deploy/slurm/testcluster), a volume
+as the cluster file system, and the tiny-model demo submitted with `sbatch deploy/slurm/rlmesh.sbatch`.
+
+One job trains across the four nodes — the learner as a 2-node torchrun job (gloo over the
+network), a rollout server on the third, the reward server on the fourth — and loses a node mid-run
+(the container SIGKILLed: slurmd and every process on it): Slurm requeues the job, the node comes
+back, and the rerun resumes from the newest checkpoint with no group lost or trained twice. A second
+job is cancelled mid-run with `scancel`, after which no rlmesh process may be left on any node."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlmesh.learner.metrics import surviving_lineage
+
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "deploy/slurm/testcluster/cluster.sh"
+STACK = REPO / "deploy/docker/stack.sh"
+PROJECT = "rlmesh-slurm-test"
+NODES = ["node1", "node2", "node3", "node4"]
+NUM_STEPS, GROUPS_PER_STEP, CHECKPOINT_EVERY = 24, 16, 4
+DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+
+
+class Cluster:
+    def __init__(self) -> None:
+        engine = subprocess.run([str(STACK), "engine"], capture_output=True, text=True, check=True).stdout
+        self.env = {"COMPOSE_PROJECT_NAME": PROJECT, "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+        for line in engine.splitlines():
+            if line.startswith("export DOCKER_HOST="):
+                self.env["DOCKER_HOST"] = line.split("=", 1)[1]
+
+    def cluster(self, *args: str, stdin: str | None = None, timeout: float = 600, check: bool = True) -> str:
+        out = subprocess.run([str(CLUSTER), *args], env=self.env, input=stdin, capture_output=True, text=True,
+                             timeout=timeout)
+        assert not check or out.returncode == 0, f"cluster.sh {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+        return out.stdout
+
+    def run(self, *cmd: str, stdin: str | None = None, check: bool = True) -> str:
+        """A command on the controller as the rlmesh user (uid 10001), in /shared."""
+        return self.cluster("run", *cmd, stdin=stdin, timeout=120, check=check)
+
+    def docker(self, *args: str, check: bool = True) -> str:
+        out = subprocess.run([DOCKER, *args], env=self.env, capture_output=True, text=True, timeout=120)
+        assert not check or out.returncode == 0, f"docker {' '.join(args)} failed:\n{out.stderr}"
+        return out.stdout
+
+    def container(self, service: str) -> str:
+        return f"{PROJECT}_{service}_1"
+
+    def on_node(self, node: str, *cmd: str, user: str = "root") -> str:
+        return self.docker("exec", "-u", user, self.container(node), *cmd, check=False)
+
+    def job_state(self, job: str) -> str:
+        out = self.run("scontrol", "show", "job", job, check=False)
+        match = re.search(r"JobState=(\S+)", out)
+        return match.group(1) if match else "UNKNOWN"
+
+    def train_steps(self, run_dir: str) -> int:
+        out = self.on_node("node1", "sh", "-c", f"cat {run_dir}/metrics.jsonl 2>/dev/null || true", user="10001")
+        return sum(1 for line in out.splitlines() if '"kind": "train"' in line)
+
+    def read(self, path: str) -> str:
+        return self.run("cat", path, check=False)
+
+    def rlmesh_processes(self) -> dict[str, list[str]]:
+        """What each compute node still runs as the job's user (uid 10001)."""
+        return {node: [line for line in self.on_node(node, "ps", "-u", "10001", "-o", "pid=,args=").splitlines()
+                       if line.strip()] for node in NODES}
+
+    def wait(self, predicate, timeout: float, what: str, job: str, every_s: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                out = self.read(f"/shared/slurm-{job}.out")
+                pytest.fail(f"timed out waiting for {what}; job {job} is {self.job_state(job)}:\n{out[-4000:]}")
+            time.sleep(every_s)
+
+    def submit(self, run_dir: str, *overrides: str) -> str:
+        out = self.run("env", "RLMESH_LEARNER_NODES=2", "GLOO_SOCKET_IFNAME=eth0", "sbatch", "--nodes=4",
+                       "--output=/shared/slurm-%j.out", "/shared/rlmesh.sbatch", "/shared/run.yaml", run_dir, *overrides)
+        return out.split()[-1]
+
+
+@pytest.fixture(scope="module")
+def slurm(rlmesh_images):
+    """The cluster from clean, the model prepared on the shared volume, both jobs run; yields what the
+    tests check. The cluster is taken down whatever happens."""
+    start = time.monotonic()
+    c = Cluster()
+    stamp = lambda what: print(f"slurm: {what} at +{time.monotonic() - start:.0f} s", flush=True)  # noqa: E731
+    stamp("images")
+    c.cluster("down")
+    events: dict = {}
+    try:
+        c.cluster("up", timeout=900)
+        stamp("cluster up")
+        c.run("rlmesh", "sft", "-c", "/app/examples/arithmetic_grpo.yaml", "--output", "/shared/sft_model")
+        config = yaml.safe_load((REPO / "deploy/compose.rlmesh.yaml").read_text())
+        for section in ("queue", "weight_sync", "network", "logging"):  # the launch script sets the addresses
+            config.pop(section)
+        config["model"]["path"] = "/shared/sft_model"
+        config["run"] = {"name": "slurm-test"}
+        config["learner"].update(num_steps=NUM_STEPS, groups_per_step=GROUPS_PER_STEP, eval_every=8)
+        config["checkpoint"]["every_n_steps"] = CHECKPOINT_EVERY
+        c.run("sh", "-c", "cat > /shared/run.yaml", stdin=yaml.safe_dump(config))
+        c.run("sh", "-c", "cat > /shared/rlmesh.sbatch && chmod 755 /shared/rlmesh.sbatch",
+              stdin=(REPO / "deploy/slurm/rlmesh.sbatch").read_text())
+
+        # Job A: trains, loses node2 (learner rank 1) mid-run, is requeued and resumes.
+        job = events["job"] = c.submit("/shared/runs/a")
+        # Killed between two checkpoints, so that steps past the newest one are lost with the node.
+        c.wait(lambda: (n := c.train_steps("/shared/runs/a")) > CHECKPOINT_EVERY and n % CHECKPOINT_EVERY, 600,
+               "training to pass a checkpoint", job, every_s=0.2)
+        events["killed_at_step"] = c.train_steps("/shared/runs/a")
+        stamp(f"node2 killed at step {events['killed_at_step']}")
+        c.docker("kill", c.container("node2"))
+        killed = time.monotonic()
+        c.wait(lambda: c.job_state(job) == "PENDING", 180, "Slurm to requeue the job", job)
+        events["requeued_after_s"] = time.monotonic() - killed
+        stamp("job requeued")
+        c.docker("start", c.container("node2"))
+        # A requeued job may not start for 120 s (Slurm's requeue delay, as its BeginTime); its owner
+        # may move that to now.
+        c.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        c.wait(lambda: c.job_state(job) == "COMPLETED", 900, "the requeued job to finish", job)
+        events["slurm_out"] = c.read(f"/shared/slurm-{job}.out")
+        for name in ("summary.json", "trained_groups.jsonl", "metrics.jsonl"):
+            events[name] = c.read(f"/shared/runs/a/{name}")
+        events["dropped"] = c.run("sh", "-c", "cat /shared/runs/a/dropped_groups.jsonl 2>/dev/null || true")
+        events["logs"] = {name: c.read(f"/shared/runs/a/logs/{name}") for name in
+                          c.run("ls", "/shared/runs/a/logs").split()}
+        events["after_completion"] = c.rlmesh_processes()
+
+        stamp("job A done")
+        # Job B: cancelled mid-run.
+        job_b = events["job_b"] = c.submit("/shared/runs/b")
+        c.wait(lambda: c.train_steps("/shared/runs/b") >= 2, 600, "job B to train", job_b)
+        events["running_before_scancel"] = c.rlmesh_processes()
+        events["secrets"] = _secrets_stay_in_the_environment(c)
+        events["stranger"] = c.on_node("node4", "python3", "-c", STRANGER.format(port=events["secrets"]["valkey_port"]))
+        c.run("scancel", job_b)
+        c.wait(lambda: c.job_state(job_b) == "CANCELLED" and not c.run("squeue", "-h", "-j", job_b, check=False).strip(),
+               120, "the cancelled job to leave the queue", job_b)
+        time.sleep(2)
+        events["after_scancel"] = c.rlmesh_processes()
+        stamp("job B cancelled")
+    finally:
+        c.cluster("down", check=False)
+    events["containers_left"] = c.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}").split()
+    return events
+
+
+# A stranger on the cluster network (node4 is on it): the job's Valkey on node1, without the password.
+STRANGER = """
+import redis
+try:
+    print("answered:", redis.Redis(host="node1", port={port}, socket_timeout=10).xlen("rlmesh:prompts"))
+except Exception as err:
+    print(type(err).__name__, err)
+"""
+
+
+def _secrets_stay_in_the_environment(c: Cluster) -> dict:
+    """The run's token and queue password, read from the learner's environment on node1 (as its own
+    user: root in a container lacks CAP_SYS_PTRACE, which reading another user's environment takes); then
+    whether either shows in any process's command line on any node or in any file under /shared."""
+    pid = c.on_node("node1", "pgrep", "-u", "10001", "-f", "rlmesh.cli learner").split()[0]
+    environ = c.on_node("node1", "cat", f"/proc/{pid}/environ", user="10001").split("\0")
+    env = dict(item.split("=", 1) for item in environ if "=" in item)
+    secrets = {k: env.get(k, "") for k in ("RLMESH_TOKEN", "RLMESH_QUEUE_PASSWORD")}
+    found = {}
+    for name, value in secrets.items():
+        if not value:
+            continue
+        found[f"{name} in a command line"] = [node for node in NODES
+                                              if value in c.on_node(node, "ps", "-eo", "args=")]
+        found[f"{name} in /shared"] = c.run("grep", "-rlF", value, "/shared", check=False).split()
+    port = next(int(m) for m in re.findall(r"queue\.url=redis://node1:(\d+)/0", c.on_node("node1", "ps", "-eo", "args=")))
+    return {"have": {k: len(v) for k, v in secrets.items()}, "found": found, "valkey_port": port}
+
+
+def test_the_job_spans_four_nodes_with_each_tier_where_the_script_put_it(slurm):
+    out = slurm["slurm_out"]
+    assert "on 4 node(s): node1,node2,node3,node4" in out, out
+    assert "learner on node1,node2 (2 rank(s)" in out and "reward server on node4" in out, out
+    logs = slurm["logs"]
+    assert {"learner-node1.log", "learner-node2.log", "rollout-0-node3.log", "reward-node4.log",
+            "valkey-node1.log"} <= set(logs), sorted(logs)
+    assert "learner rank 1/2" in logs["learner-node2.log"], logs["learner-node2.log"][-2000:]
+    assert "registered with learner as node3-0" in logs["rollout-0-node3.log"]
+
+
+def test_the_job_learns_and_every_broadcast_is_verified_across_hosts(slurm):
+    summary = json.loads(slurm["summary.json"])
+    before, after = summary["held_out_accuracy_before"], summary["held_out_accuracy_after"]
+    print(f"slurm: held-out accuracy {before:.2f} -> {after:.2f}; resumed from {summary['resumed_from']}")
+    assert after >= before + 0.2, f"held-out accuracy did not rise: {before} -> {after}"
+    assert summary["num_ranks"] == 2
+    assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
+    train = [r for r in map(json.loads, slurm["metrics.jsonl"].splitlines()) if r.get("kind") == "train"]
+    assert train and all(r["weights_verified"] == 1.0 for r in train), "a broadcast went unverified"
+    assert all(set(r["groups_by_generator"]) == {"node3-0"} for r in train)
+
+
+def test_a_lost_node_requeues_the_job_which_resumes_with_nothing_lost_or_trained_twice(slurm):
+    out = slurm["slurm_out"]
+    assert f"job {slurm['job']} run 1 on 4 node(s)" in out, "the job ran a second time after the node loss"
+    summary = json.loads(slurm["summary.json"])
+    assert CHECKPOINT_EVERY <= summary["resumed_from"] <= slurm["killed_at_step"], (summary["resumed_from"], slurm["killed_at_step"])
+    rows = [json.loads(line) for line in slurm["trained_groups.jsonl"].splitlines()]
+    lineage = surviving_lineage(rows)
+    trained = [g for r in lineage for g in r["group_ids"]]
+    assert [r["version"] for r in lineage] == list(range(1, NUM_STEPS + 1))
+    assert len(trained) == len(set(trained)) == NUM_STEPS * GROUPS_PER_STEP, "a group was trained twice"
+    lost_steps = [r for r in rows if "group_ids" in r and r not in lineage]
+    assert lost_steps, "the node was lost between checkpoints: the steps past the newest one were lost with it"
+    dropped = {json.loads(line)["group_id"] for line in slurm["dropped"].splitlines()}
+    lost = [g for r in lost_steps for g in r["group_ids"] if g not in set(trained) | dropped]
+    print(f"slurm: {sum(len(r['group_ids']) for r in lost_steps)} groups trained in lost steps; dropped on record: "
+          f"{sorted(set(json.loads(line)['reason'] for line in slurm['dropped'].splitlines()))}")
+    assert lost == [], f"groups trained only in lost steps vanished: {lost[:5]}"
+    print(f"slurm: node2 killed at step {slurm['killed_at_step']}, requeued after {slurm['requeued_after_s']:.0f} s")
+
+
+def test_a_finished_job_and_a_cancelled_job_leave_no_process_on_any_node(slurm):
+    assert any(slurm["running_before_scancel"].values()), "job B ran processes the check could see"
+    assert slurm["after_scancel"] == {node: [] for node in NODES}, slurm["after_scancel"]
+    assert slurm["after_completion"] == {node: [] for node in NODES}, slurm["after_completion"]
+    assert slurm["containers_left"] == []
+
+
+def test_secrets_reach_the_tiers_only_through_their_environment(slurm):
+    secrets = slurm["secrets"]
+    assert secrets["have"] == {"RLMESH_TOKEN": 64, "RLMESH_QUEUE_PASSWORD": 64}, secrets
+    assert all(where == [] for where in secrets["found"].values()), secrets["found"]
+    print(f"slurm: a client without the password, from node4: {slurm['stranger'].strip()}")
+    assert "AuthenticationError" in slurm["stranger"] or "NOAUTH" in slurm["stranger"], slurm["stranger"]
