@@ -56,7 +56,11 @@ class Cluster:
         return out.stdout
 
     def container(self, service: str) -> str:
-        return f"{PROJECT}_{service}_1"
+        """The service's container (by compose's labels: v1 and v2 name containers differently)."""
+        ids = self.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                          "--filter", f"label=com.docker.compose.service={service}").split()
+        assert len(ids) == 1, f"expected one {service} container, found {ids}"
+        return ids[0]
 
     def on_node(self, node: str, *cmd: str, user: str = "root") -> str:
         return self.docker("exec", "-u", user, self.container(node), *cmd, check=False)

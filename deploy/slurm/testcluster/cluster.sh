@@ -35,8 +35,10 @@ image() {
   $DOCKER run --rm --entrypoint cat "$RLMESH_IMAGE" /var/lib/dpkg/status >"$work/status"
   rm -rf "$HERE/debs" && mkdir -p "$HERE/debs/partial"
   say "downloading ${PACKAGES[*]} and their dependencies (Debian's packages, on the host)"
-  apt-get -qq -o Dir::State::status="$work/status" -o Dir::Cache::archives="$HERE/debs" -o Debug::NoLocking=1 \
-    install --download-only -y --no-install-recommends "${PACKAGES[@]}" >&2
+  local get=(apt-get -qq -o Dir::State::status="$work/status" -o Dir::Cache::archives="$HERE/debs"
+             -o Debug::NoLocking=1 install --download-only -y --no-install-recommends "${PACKAGES[@]}")
+  # A fresh machine may have no package lists yet (or stale ones): update them once and retry.
+  "${get[@]}" >&2 2>/dev/null || { apt-get update -qq >&2 && "${get[@]}" >&2; }
   rm -rf "$HERE/debs/partial" "$HERE/debs/lock" "$work"
   say "building $RLMESH_SLURM_IMAGE from $RLMESH_IMAGE"
   DOCKER_BUILDKIT=0 $DOCKER build -q --build-arg RLMESH_IMAGE="$RLMESH_IMAGE" -t "$RLMESH_SLURM_IMAGE" "$HERE" >&2
