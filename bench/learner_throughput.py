@@ -12,8 +12,15 @@ megatron: the same learner step on the Megatron-core backend (learner.backend.ty
 long tail (--long-tail, instead of the rows above): completions of 16..1,024 tokens (log-uniform),
           the learner step with count-based padded micro-batches vs token-budget micro-batches
           (learner.max_tokens_per_micro_batch), 1 rank each, and the ratio (target >= 1.5).
+real model (--model DIR, e.g. models/smollm2-135m-instruct; --dtype float32|bfloat16): the plain
+          loop and the learner's step, 1 rank, on that model (bfloat16: FSDP2's bf16 compute with
+          float32 master weights vs autocast in the plain loop), and each one's training FLOP/s
+          (6 x parameters x tokens) as a fraction of this CPU's measured matmul peak on one thread
+          in that dtype (MFU).
 Prints training tokens/s (prompt + completion tokens through forward/backward) of each and the
-ratios. Run: python bench/learner_throughput.py [--hidden 256 --layers 4 --groups 16]"""
+ratios. Run: python bench/learner_throughput.py [--hidden 256 --layers 4 --groups 16]
+Real model, the demo's batch shape: python bench/learner_throughput.py --model models/smollm2-135m-instruct \
+          --groups 4 --n 8 --prompt-len 64 --completion-len 160 --micro-batch-size 8 --steps 2"""
 
 from __future__ import annotations
 
@@ -65,12 +72,34 @@ def make_long_tail_groups(num_groups: int, n: int, prompt_len: int, vocab: int, 
     return groups
 
 
-def config_for(model_dir: Path, micro_batch_size: int, overrides: list[str] | None = None):
+def config_for(model_dir: Path, micro_batch_size: int, overrides: list[str] | None = None, dtype: str = "float32"):
     from rlmesh.services.config import load_config
 
     return load_config(None, ["model.type=hf", f"model.path={model_dir}", f"learner.micro_batch_size={micro_batch_size}",
                               "learner.lr=1e-4", "rollout.max_tokens=64", "learner.torch_threads=1",
-                              *(overrides or [])])
+                              f"learner.backend.param_dtype={dtype}", *(overrides or [])])
+
+
+def vocab_of(model_dir: Path) -> int:
+    from transformers import AutoConfig
+
+    return min(AutoConfig.from_pretrained(model_dir).vocab_size, 32000)
+
+
+def matmul_peak_flops(dtype: str, size: int = 1024, seconds: float = 3.0) -> float:
+    """This CPU's matmul FLOP/s on one thread in `dtype`: the best of repeated size x size products."""
+    import torch
+
+    torch.set_num_threads(1)
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
+    a @ b
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size ** 3 / (time.perf_counter() - t0))
+    return best
 
 
 def num_tokens(seqs) -> int:
@@ -81,12 +110,13 @@ def time_learner(model_dir: Path, args) -> dict:
     """The learner's step; under torchrun every rank runs this and rank 0 reports."""
     from rlmesh.learner.train.trainer import Trainer
 
-    trainer = Trainer(config_for(model_dir, args.micro_batch_size, args.override), str(model_dir), pad_id=0)
+    trainer = Trainer(config_for(model_dir, args.micro_batch_size, args.override, args.dtype), str(model_dir), pad_id=0)
     if trainer.rank != 0:
         trainer.follow()
         return {}
-    groups = (make_long_tail_groups(args.groups, args.n, args.prompt_len, 200) if args.long_tail else
-              make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
+    vocab = vocab_of(model_dir)
+    groups = (make_long_tail_groups(args.groups, args.n, args.prompt_len, vocab) if args.long_tail else
+              make_groups(args.groups, args.n, args.prompt_len, args.completion_len, vocab))
     seqs = trainer.objective.sequences(groups)
     trainer.step(seqs, 1e-4)  # warm-up
     t0 = time.perf_counter()
@@ -106,15 +136,17 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = config_for(model_dir, args.micro_batch_size, args.override)
+    cfg = config_for(model_dir, args.micro_batch_size, args.override, args.dtype)
     objective = GRPOObjective.from_config(cfg)
-    seqs = objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len, 200))
+    seqs = objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len, vocab_of(model_dir)))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    bf16 = args.dtype == "bfloat16"  # float32 master weights, bf16 compute
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     micros = plan_step(seqs, args.micro_batch_size, 0)
 
     def logprobs(m):
-        logits = model(input_ids=m.input_ids_BT, attention_mask=m.attention_mask_BT).logits[:, :-1].float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=m.input_ids_BT, attention_mask=m.attention_mask_BT).logits[:, :-1].float()
         return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), m.input_ids_BT[:, 1:], reduction="none")
 
     def step():
@@ -139,15 +171,23 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
 
 def torchrun_learner(model_dir: Path, nproc: int, args, tmp: Path, overrides: tuple[str, ...] = ()) -> dict:
     out = tmp / f"learner_{nproc}_{len(overrides)}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--worker", str(model_dir), str(out), *sys.argv[1:], *(f"--override={o}" for o in overrides)]
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The worker's arguments travel in the environment: torchrun's own parser would take an option such
+    # as --n for an abbreviation of one of its own (--nnodes...) and refuse it as ambiguous.
+    worker_argv = ["--worker", str(model_dir), str(out), *sys.argv[1:], *(f"--override={o}" for o in overrides)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__]
+    log = tmp / f"learner_{nproc}_{len(overrides)}.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "BENCH_WORKER_ARGV": json.dumps(worker_argv)}
+    if subprocess.run(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT).returncode:
+        raise SystemExit(f"the learner worker failed:\n{log.read_text()[-3000:]}")
     return json.loads(out.read_text())
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="an HF model directory to run instead of the tiny random one (only the plain "
+                                   "and 1-rank rows, with MFU)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="training compute dtype of both sides (learner.backend.param_dtype)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--groups", type=int, default=8)
@@ -168,11 +208,14 @@ def parse(argv=None):
 
 
 def main() -> None:
-    args = parse()
+    args = parse(json.loads(os.environ["BENCH_WORKER_ARGV"]) if "BENCH_WORKER_ARGV" in os.environ else None)
     if args.worker:
         result = time_learner(Path(args.worker[0]), args)
         if result:
             Path(args.worker[1]).write_text(json.dumps(result))
+        return
+    if args.model:
+        real_model(Path(args.model).resolve(), args)
         return
     from rlmesh.learner.devtools.tiny_model import write_tiny_model
     from rlmesh.services.config import TinyModelSection
@@ -216,6 +259,34 @@ def main() -> None:
         print(f"Megatron 1 rank / FSDP2 1 rank tokens/s: {result['megatron_1rank_over_fsdp2_tokens_per_s']:.2f}; "
               f"/ plain PyTorch: {result['megatron_1rank_over_plain_tokens_per_s']:.2f}")
         print(f"Megatron TP=2 / FSDP2 2 ranks step time: {result['megatron_tp2_over_fsdp2_2rank_step_time']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def real_model(model_dir: Path, args) -> None:
+    """Plain loop and learner step (1 rank) on a real model, with each one's MFU."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).parameters())
+    peak = matmul_peak_flops(args.dtype)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        plain = time_plain_pytorch(model_dir, args)
+        one = torchrun_learner(model_dir, 1, args, Path(tmp_name))
+    print(f"model: {model_dir.name} ({params / 1e6:.1f} M parameters), {args.dtype}; batch {args.groups}x{args.n} "
+          f"sequences (prompt {args.prompt_len}, completions {args.completion_len // 2}..{args.completion_len}), "
+          f"micro-batch {args.micro_batch_size}; one thread each")
+    print(f"this CPU's {args.dtype} matmul peak, one thread: {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'path':38s} {'step s':>8s} {'train tok/s':>12s} {'GFLOP/s':>9s} {'MFU':>6s}")
+    result = {"model": str(model_dir), "dtype": args.dtype, "parameters": params, "peak_flops_1thread": peak}
+    for key, name, r in (("plain", "plain PyTorch loop", plain), ("learner_1rank", "rlmesh learner step, 1 rank", one)):
+        flops = 6 * params * r["tokens_per_s"]
+        r.update(flops_per_s=flops, mfu=flops / peak)
+        result[key] = r
+        print(f"{name:38s} {r['step_s']:8.2f} {r['tokens_per_s']:12.0f} {flops / 1e9:9.1f} {r['mfu']:6.1%}")
+    result["ratio_vs_plain"] = one["tokens_per_s"] / plain["tokens_per_s"]
+    print(f"ratio (learner 1 rank / plain PyTorch tokens/s): {result['ratio_vs_plain']:.2f}   (target >= 0.9)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -4,7 +4,10 @@ baseline: vLLM's AsyncLLM.generate called directly for G prompt groups x n sampl
 measured: the same G groups through the real mesh path: prompt stream (Valkey) -> `rlmesh rollout`
           (vLLM + tokenisation + versions + logprobs) -> `rlmesh reward` (gRPC Score) ->
           trajectory stream.
-Prints generated tokens/s of each and their ratio. Run: python bench/rollout_throughput.py"""
+Prints generated tokens/s of each and their ratio. Run: python bench/rollout_throughput.py
+Real model (--model DIR): the demo's prompts (examples/smollm2_grpo.yaml's data, its prompt template
+and `math` environment), its sampling (temperature 0.7, --max-tokens 192) and --dtype, e.g.
+python bench/rollout_throughput.py --model models/smollm2-135m-instruct --groups 16 --max-tokens 192"""
 
 from __future__ import annotations
 
@@ -21,15 +24,33 @@ sys.path.insert(0, str(REPO))
 
 
 
-async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
+DEMO_DATA = REPO / "examples/data/reasoning_one_step/train.parquet"
+DEMO_TEMPLATE = "{prompt} Put the final answer in \\boxed{{}}."
+
+
+def tiny_items(count: int) -> list[tuple[str, str, str]]:
+    """(user message, environment, answer) of the tiny model's arithmetic prompts."""
+    return [(f"{i % 10}+{i % 7}=", "arithmetic", str(i % 10 + i % 7)) for i in range(count)]
+
+
+def demo_items(count: int) -> list[tuple[str, str, str]]:
+    """The real-model demo's prompts: its training questions under its template, scored by `math`."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(DEMO_DATA).to_pylist()
+    return [(DEMO_TEMPLATE.format(prompt=row["question"]), "math", str(row["final"])) for row in table[:count]]
+
+
+async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, dtype: str = "float32",
+                   temperature: float = 1.0, max_model_len: int = 256) -> tuple[int, float]:
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), dtype="float32", enforce_eager=True,
-                                                       max_model_len=256, enable_prefix_caching=False,
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), dtype=dtype, enforce_eager=True,
+                                                       max_model_len=max_model_len, enable_prefix_caching=False,
                                                        disable_log_stats=True))
-    params = SamplingParams(n=1, temperature=1.0, max_tokens=max_tokens, logprobs=0,
+    params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def one(ids):
@@ -47,8 +68,9 @@ async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens
 
 
 async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: Path, rollout: dict | None = None,
-               system: str | None = None) -> tuple[int, float]:
-    """The mesh path; `rollout` overrides the rollout config, `system` prepends a shared system prompt."""
+               system: str | None = None, items: list[tuple[str, str, str]] | None = None) -> tuple[int, float]:
+    """The mesh path; `rollout` overrides the rollout config, `system` prepends a shared system prompt,
+    `items` are the (user message, environment, answer) to send (default: the tiny arithmetic ones)."""
     from bench.harness import rollout_harness
     from rlmesh.v1 import common_pb2
     from rlmesh.services.queue import StreamQueue, connect
@@ -60,13 +82,16 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
         trajectories = StreamQueue(redis, "rlmesh:trajectories", group="learner")
         await trajectories.ensure_group()
 
+        sent = items or tiny_items(num_groups)
+
         async def run_round(count: int) -> int:
             for i in range(count):
-                g = common_pb2.PromptGroup(group_id=uuid.uuid4().hex, env_name="arithmetic", n=n,
-                                           messages=[common_pb2.ChatMessage(role="user", content=f"{i % 10}+{i % 7}=")])
+                content, env, answer = sent[i % len(sent)]
+                g = common_pb2.PromptGroup(group_id=uuid.uuid4().hex, env_name=env, n=n,
+                                           messages=[common_pb2.ChatMessage(role="user", content=content)])
                 if system:
                     g.messages.insert(0, common_pb2.ChatMessage(role="system", content=system))
-                g.env_metadata.update({"answer": str(i % 10 + i % 7)})
+                g.env_metadata.update({"answer": answer})
                 await prompts.publish(g.group_id, g.SerializeToString())
             tokens, got = 0, 0
             while got < count:
@@ -88,6 +113,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64, help="prompt groups per measured round")
     parser.add_argument("--n", type=int, default=8, help="samples per group")
     parser.add_argument("--max-tokens", type=int, default=64, help="completion length cap")
+    parser.add_argument("--model", help="an HF model directory (the demo's prompts and sampling) instead of the tiny one")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM's dtype, both sides")
+    parser.add_argument("--temperature", type=float, default=None, help="default 1.0 (tiny), 0.7 (--model)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -99,18 +127,26 @@ def main() -> None:
     from rlmesh.services.config import TinyModelSection
 
     tmp = Path(tempfile.mkdtemp(prefix="rlmesh-bench-"))
-    model_dir = write_tiny_model(TinyModelSection(), tmp / "model")
+    if args.model:
+        model_dir, items, max_len = Path(args.model).resolve(), demo_items(args.groups), 512
+        temperature = 0.7 if args.temperature is None else args.temperature
+    else:
+        model_dir, items, max_len = write_tiny_model(TinyModelSection(), tmp / "model"), tiny_items(args.groups), 256
+        temperature = 1.0 if args.temperature is None else args.temperature
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{i % 10}+{i % 7}="}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=False) for i in range(args.groups)]
-    raw_tokens, raw_s = asyncio.run(raw_vllm(model_dir, prompts, args.n, args.max_tokens))
-    mesh_tokens, mesh_s = asyncio.run(mesh(model_dir, args.groups, args.n, args.max_tokens, tmp))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for content, _, _ in items]
+    raw_tokens, raw_s = asyncio.run(raw_vllm(model_dir, prompts, args.n, args.max_tokens, args.dtype, temperature,
+                                             max_len))
+    rollout = {"dtype": args.dtype, "temperature": temperature, "max_model_len": max_len}
+    mesh_tokens, mesh_s = asyncio.run(mesh(model_dir, args.groups, args.n, args.max_tokens, tmp, rollout, items=items))
     raw_tps, mesh_tps = raw_tokens / raw_s, mesh_tokens / mesh_s
     print(f"\n{'path':<34}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
     print(f"{'raw vLLM AsyncLLM.generate':<34}{raw_tokens:>10}{raw_s:>10.2f}{raw_tps:>12.0f}")
     print(f"{'rollout server via queue + reward':<34}{mesh_tokens:>10}{mesh_s:>10.2f}{mesh_tps:>12.0f}")
     print(f"ratio (rollout server / raw vLLM): {mesh_tps / raw_tps:.2f}  "
-          f"[{args.groups} groups x {args.n} samples, max_tokens {args.max_tokens}]")
+          f"[{model_dir.name}, {args.dtype}, {args.groups} groups x {args.n} samples, max_tokens {args.max_tokens}, "
+          f"temperature {temperature}]")
     if args.json:
         import json
 

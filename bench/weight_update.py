@@ -268,7 +268,9 @@ def lora_row(size: str, rank: int, rounds: int, digests: list[str], snapshots: t
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="tiny,100m", help="full-weight rows (tiny, 100m); '' for none")
+    p.add_argument("--sizes", default="tiny,100m",
+                   help="full-weight rows: tiny, 100m, or an HF model directory (e.g. models/smollm2-135m-instruct, "
+                        "the real-model demo's; float32 on both sides, as the demo runs); '' for none")
     p.add_argument("--lora", default="100m:16", help="LoRA rows as size:rank (comma-separated); '' for none")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--digests", default="blake3,sha256", help="weight_sync.digest_algorithm values to measure")
@@ -287,8 +289,15 @@ def main() -> None:
     snapshots = tuple({"on": True, "off": False}[v] for v in args.snapshot.split(","))
     results, load_before = {}, os.getloadavg()
     for size in filter(None, args.sizes.split(",")):
-        tmp = Path(tempfile.mkdtemp(prefix=f"rlmesh-wu-{size}-"))
-        model_dir = write_tiny_model(TinyModelSection(**SIZES[size]), tmp / "model", seed=0)
+        if size in SIZES:
+            tmp = Path(tempfile.mkdtemp(prefix=f"rlmesh-wu-{size}-"))
+            model_dir = write_tiny_model(TinyModelSection(**SIZES[size]), tmp / "model", seed=0)
+        else:
+            model_dir = Path(size).resolve()
+            if not (model_dir / "config.json").is_file():
+                raise SystemExit(f"--sizes: {size} is neither tiny, 100m nor an HF model directory")
+            size = model_dir.name
+            tmp = Path(tempfile.mkdtemp(prefix=f"rlmesh-wu-{size}-"))
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
