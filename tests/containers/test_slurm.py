@@ -148,11 +148,13 @@ def slurm(rlmesh_images):
 
         stamp("job A done")
         # Job B: cancelled mid-run.
-        job_b = events["job_b"] = c.submit("/shared/runs/b")
+        # Too many steps to finish before the checks below are done: it must still run when they probe it.
+        job_b = events["job_b"] = c.submit("/shared/runs/b", "learner.num_steps=100000")
         c.wait(lambda: c.train_steps("/shared/runs/b") >= 2, 600, "job B to train", job_b)
         events["running_before_scancel"] = c.rlmesh_processes()
         events["secrets"] = _secrets_stay_in_the_environment(c)
         events["stranger"] = c.on_node("node4", "python3", "-c", STRANGER.format(port=events["secrets"]["valkey_port"]))
+        events["job_b_state_after_probes"] = c.job_state(job_b)
         c.run("scancel", job_b)
         c.wait(lambda: c.job_state(job_b) == "CANCELLED" and not c.run("squeue", "-h", "-j", job_b, check=False).strip(),
                120, "the cancelled job to leave the queue", job_b)
@@ -249,4 +251,5 @@ def test_secrets_reach_the_tiers_only_through_their_environment(slurm):
     assert secrets["have"] == {"RLMESH_TOKEN": 64, "RLMESH_QUEUE_PASSWORD": 64}, secrets
     assert all(where == [] for where in secrets["found"].values()), secrets["found"]
     print(f"slurm: a client without the password, from node4: {slurm['stranger'].strip()}")
+    assert slurm["job_b_state_after_probes"] == "RUNNING"
     assert "AuthenticationError" in slurm["stranger"] or "NOAUTH" in slurm["stranger"], slurm["stranger"]
