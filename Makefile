@@ -6,7 +6,7 @@ STAMP := $(VENV)/.rlmesh-setup
 BENCH_STAMP := $(VENV)/.rlmesh-bench
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-tools test-unit test-containers demo demo-tiny bench bench-setup proto clean images compose-up compose-down
+.PHONY: setup test test-tools test-unit test-containers demo demo-tiny demo-agent bench bench-setup proto clean images compose-up compose-down
 
 setup: $(STAMP)
 
@@ -61,6 +61,11 @@ compose-down:
 demo: setup
 	$(VENV)/bin/rlmesh model fetch smollm2-135m-instruct --output models/smollm2-135m-instruct
 	$(VENV)/bin/rlmesh up -c examples/smollm2_grpo.yaml $(DEMO_ARGS)
+
+# The same model trained through an agent written with the OpenAI Agents SDK (docs/agents.md).
+demo-agent: setup
+	$(VENV)/bin/rlmesh model fetch smollm2-135m-instruct --output models/smollm2-135m-instruct
+	$(VENV)/bin/rlmesh up -c examples/smollm2_agent_grpo.yaml $(DEMO_ARGS)
 
 # The tiny random-init model with an SFT warm start (quick, and what most tests run).
 demo-tiny: setup

@@ -19,7 +19,8 @@ Sampling is the run's (`rollout.temperature`, ...; seeded per episode and call):
 trained is what answers, whatever temperature the agent asks for. Tool calls are parsed from the
 model's text in the Hermes format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, what
 Qwen-style templates teach) and returned in the OpenAI schema. `stream: true` is answered as
-server-sent events once the call's generation is done (one content delta, then the finish).
+server-sent events, the text as it is generated (with `tools`, once the generation is done: a tool
+call is known only from the whole text).
 
 Every request is authenticated by its episode's key (HTTP 401 otherwise), bounded (body size,
 messages, calls, tokens and time per episode) and validated (HTTP 400 naming the field).
@@ -35,6 +36,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -258,12 +260,15 @@ class AgentEndpoint:
                 raise EndpointRefusal(409, "invalid_request_error", "concurrent_call",
                                       "this episode has a call in progress: an episode is one conversation, make "
                                       "its calls one after another")
+            # Streamed without tools, the text goes out as it is generated; with tools, once it is
+            # done (a tool call is known only from the whole text).
+            stream = _Stream(request, self.model_name) if body.stream else None
             async with episode.lock:
-                reply = await self._answer(episode, body)
+                reply = await self._answer(episode, body, stream.text if stream and not body.tools else None)
         except EndpointRefusal as refusal:
             return refusal.response()
-        if body.stream:
-            return await _stream(request, reply)
+        if stream is not None:
+            return await stream.finish(reply)
         return web.json_response(reply)
 
     def _episode(self, request: web.Request) -> AgentEpisode:
@@ -302,7 +307,8 @@ class AgentEndpoint:
 
     # one call
 
-    async def _answer(self, episode: AgentEpisode, body: ChatRequest) -> dict[str, Any]:
+    async def _answer(self, episode: AgentEpisode, body: ChatRequest,
+                      on_text: Callable[[str], Awaitable[None]] | None = None) -> dict[str, Any]:
         if episode.calls >= self.cfg.max_calls:
             episode.trace.finish_reason = "max_calls"
             raise EndpointRefusal(429, "invalid_request_error", "episode_limit",
@@ -322,7 +328,7 @@ class AgentEndpoint:
                                                 max_tokens=min(asked, self.max_tokens, budget), turn=episode.calls)
         request_id = f"{episode.group.group_id}-{episode.index}-a{episode.calls}-{uuid.uuid4().hex[:8]}"
         episode.calls += 1
-        gen = await self.generator.generate_ids(trace.context, params, request_id)
+        gen = await self.generator.generate_ids(trace.context, params, request_id, on_text)
         trace.add_sampled(gen)
         content, calls = parse_tool_calls(gen.text) if body.tools else (gen.text, [])
         said: dict[str, Any] = {"role": "assistant", "content": content}
@@ -383,22 +389,43 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-async def _stream(request: web.Request, reply: dict[str, Any]) -> web.StreamResponse:
-    """The reply as chat.completion.chunk server-sent events: the message, then the finish, then [DONE]."""
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await out.prepare(request)
-    choice = reply["choices"][0]
-    message = choice["message"]
-    head = {k: reply[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    delta: dict[str, Any] = {"role": "assistant", "content": message["content"] or ""}
-    if "tool_calls" in message:
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}]},
-              {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
-               "usage": reply["usage"]}]
-    for chunk in chunks:
-        await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await out.write(b"data: [DONE]\n\n")
-    await out.write_eof()
-    return out
+class _Stream:
+    """A call answered as chat.completion.chunk server-sent events: the text as it is generated (one
+    chunk per piece vLLM hands over), then the rest of the message (tool calls), the finish and the
+    usage, then [DONE]. Nothing is sent before the first piece, so a refused call still gets its
+    plain HTTP error."""
 
+    def __init__(self, request: web.Request, model: str) -> None:
+        self.request = request
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": model}
+        self.out: web.StreamResponse | None = None
+        self.sent = ""
+
+    async def _send(self, choice: dict[str, Any], **extra: Any) -> None:
+        if self.out is None:
+            self.out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await self.out.prepare(self.request)
+        chunk = {**self.head, "choices": [{"index": 0, **choice}], **extra}
+        await self.out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+    async def text(self, piece: str) -> None:
+        delta = {"content": piece} if self.sent else {"role": "assistant", "content": piece}
+        self.sent += piece
+        await self._send({"delta": delta, "logprobs": None, "finish_reason": None})
+
+    async def finish(self, reply: dict[str, Any]) -> web.StreamResponse:
+        choice = reply["choices"][0]
+        message = choice["message"]
+        content = message["content"] or ""
+        delta: dict[str, Any] = {} if self.sent else {"role": "assistant"}
+        if content != self.sent:  # not streamed (tools), or the text as parsed differs from the pieces
+            delta["content"] = content[len(self.sent):] if content.startswith(self.sent) else content
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        if delta or choice["logprobs"]:
+            await self._send({"delta": delta, "logprobs": choice["logprobs"], "finish_reason": None})
+        await self._send({"delta": {}, "finish_reason": choice["finish_reason"]}, usage=reply["usage"])
+        await self.out.write(b"data: [DONE]\n\n")
+        await self.out.write_eof()
+        return self.out

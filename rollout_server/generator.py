@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,19 +209,29 @@ class VLLMGenerator:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def generate_ids(self, prompt_ids: list[int], params, request_id: str) -> Generation:
+    async def generate_ids(self, prompt_ids: list[int], params, request_id: str,
+                           on_text: Callable[[str], Awaitable[None]] | None = None) -> Generation:
         """One generation from token ids (token-in/token-out): the sampled ids exactly as vLLM
-        returned them, their logprobs, and the policy versions they were sampled under."""
+        returned them, their logprobs, and the policy versions they were sampled under. `on_text`,
+        if given, gets the text as it is generated, piece by piece."""
+        from vllm.sampling_params import RequestOutputKind
+
         min_version = self.version
         # With an adapter, the whole sample comes from the adapter it starts with (updates do not
         # swap a running request's adapter): it spans exactly one version.
         lora_request = self.adapter.request if self.adapter else None
-        final = None
+        if on_text is not None:
+            params.output_kind = RequestOutputKind.CUMULATIVE
+        final, sent = None, 0
         self.busy.enter()
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
                                                   lora_request=lora_request):
                 final = out
+                text = out.outputs[0].text
+                if on_text is not None and len(text) > sent:
+                    await on_text(text[sent:])
+                    sent = len(text)
         finally:
             self.busy.exit()
         completion = final.outputs[0]

@@ -7,32 +7,38 @@ episode's endpoint on the rollout server (`rlmesh.rollout_server.agent_endpoint`
 secret (the variables of `reward.function_env`, as reward functions get). It returns the episode's
 reward: a number, or `{"reward": r, "components": {...}}`.
 
-Each episode is a fresh process, killed (with its children) when it passes `reward.agent_timeout_s`;
-an agent that raises, exits, prints something other than its answer last, or returns a reward that
-is not a finite number ends its episode with a named reason (`agent_timeout`, `agent_crashed`,
-`agent_bad_reward`), which the rollout server reports instead of training on the episode.
+A launcher process imports the agent once and forks each episode's process from it
+(`agent_process`), so an episode does not pay the agent's imports. An agent may also be a command (a
+list: program and arguments), started afresh for each episode with the task as JSON on stdin
+({"prompt", "metadata"}) and its reward the last line of its stdout. Each episode's process is killed
+(with its children) when it passes `reward.agent_timeout_s`; an agent that raises, exits, cannot be
+imported, or returns a reward that is not a finite number ends its episode with a named reason
+(`agent_timeout`, `agent_crashed`, `agent_bad_reward`), which the rollout server reports instead of
+training on the episode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 import math
 import os
-import signal
+import shlex
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass, field
 
+from rlmesh.reward_server.environments.agent_process import kill_episode
 from rlmesh.reward_server.function_workers import worker_env
 
 log = logging.getLogger(__name__)
 
-_RUNNER = "rlmesh.reward_server.environments.agent_process"
+_LAUNCHER = "rlmesh.reward_server.environments.agent_process"
 _ERR_TAIL = 2000
 
 
@@ -43,71 +49,248 @@ class AgentResult:
     error: str = ""
 
 
+class LauncherGone(Exception):
+    """The launcher exited (or never loaded the agent): the message says why."""
+
+
+class _Launcher:
+    """One launcher process and the episodes it runs; replies are read by a thread and handed to the
+    event loop that asked."""
+
+    def __init__(self, path: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", _LAUNCHER, path, str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     start_new_session=True)
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()
+        self.waiting: dict[int, tuple[asyncio.Future[int], asyncio.Future[int]]] = {}  # id -> (pid, exit)
+        self.gone = ""
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name=f"agent-launcher-{self.proc.pid}", daemon=True).start()
+
+    def start(self, task: str, answer: str, log_path: str,
+              env: dict[str, str]) -> tuple[asyncio.Future[int], asyncio.Future[int]]:
+        """Asks for one episode; returns futures of its pid and of its exit code."""
+        futures = (self.loop.create_future(), self.loop.create_future())
+        with self._lock:
+            if self.gone:
+                raise LauncherGone(self.gone)
+            episode = next(self._ids)
+            self.waiting[episode] = futures
+            line = json.dumps({"id": episode, "task": task, "answer": answer, "log": log_path, "env": env})
+            try:
+                self.proc.stdin.write(line.encode() + b"\n")
+                self.proc.stdin.flush()
+            except OSError as err:
+                del self.waiting[episode]
+                raise LauncherGone(f"the agent launcher's pipe is closed ({err})") from err
+        return futures
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if "ready" in msg:
+                self._post(_settle, self.ready, None)
+            elif "fatal" in msg:
+                self.gone = f"it could not be loaded: {msg['fatal'].strip()}"
+            elif "pid" in msg and msg.get("id") in self.waiting:
+                self._post(_settle, self.waiting[msg["id"]][0], msg["pid"])
+            elif "exit" in msg:
+                with self._lock:
+                    futures = self.waiting.pop(msg.get("id"), None)
+                if futures:
+                    self._post(_settle, futures[1], msg["exit"])
+        code = self.proc.wait()
+        with self._lock:
+            self.gone = self.gone or f"its launcher process exited with {code}"
+            waiting, self.waiting = self.waiting, {}
+        error = LauncherGone(self.gone)
+        for future in (self.ready, *(f for pair in waiting.values() for f in pair)):
+            self._post(_fail, future, error)
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop that asked has closed: nobody waits for this any more
+            pass
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # the launcher kills its episodes and exits
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _settle(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # retrieved: a future nobody awaits any more is not an unhandled error
+
+
 class AgentEnvironment:
     kind = "agent"
 
-    def __init__(self, name: str, path: str, *, timeout_s: float, env: tuple[str, ...] = (),
+    def __init__(self, name: str, path: str | list[str], *, timeout_s: float, env: tuple[str, ...] = (),
                  max_concurrency: int = 8) -> None:
-        module, sep, attr = path.partition(":")
-        if not sep or not module or not attr:
-            raise ValueError(f"reward.agents.{name}={path!r} must look like 'package.module:function'")
+        self.command: list[str] | None = None
+        if isinstance(path, str):
+            module, sep, attr = path.partition(":")
+            if not sep or not module or not attr:
+                raise ValueError(f"reward.agents.{name}={path!r} must look like 'package.module:function', "
+                                 "or be a command as a list, e.g. ['python', 'my_agent.py']")
+        else:
+            if not path or not all(isinstance(a, str) and a for a in path):
+                raise ValueError(f"reward.agents.{name}={path!r}: a command is a non-empty list of "
+                                 "non-empty strings, e.g. ['python', 'my_agent.py']")
+            self.command, path = list(path), shlex.join(path)
         self.name, self.path, self.timeout_s, self.env = name, path, timeout_s, env
         self.description = f"agent {path}"
         self._slots = asyncio.Semaphore(max_concurrency)  # episodes whose agent process runs at once
-        # one waiting thread per running episode, never shared with the loop's default pool
-        self._waiters = ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"agent-{name}")
-        self._running: set[subprocess.Popen] = set()
+        self._launcher: _Launcher | None = None
+        self._running: set[int] = set()  # pids of the episodes running now
 
     async def run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
         async with self._slots:
             return await self._run(prompt, metadata, base_url, api_key)
 
+    async def _launched(self) -> _Launcher:
+        """The launcher, started (again, if the last one exited) and ready."""
+        if self._launcher is None or (self._launcher.gone and self._launcher.ready.done()):
+            self._launcher = _Launcher(self.path, worker_env(self.env))
+        launcher = self._launcher
+        await asyncio.shield(launcher.ready)
+        return launcher
+
     async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
-        env = {**worker_env(self.env), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-        # The task goes in a file only this user can read; the process is started and waited for in a
-        # thread with plain subprocess (as the reward-function workers are), not the event loop's.
-        with tempfile.NamedTemporaryFile("w", prefix="rlmesh-agent-", suffix=".json") as task:
-            json.dump({"prompt": prompt, "metadata": metadata}, task)
-            task.flush()
-            argv = [sys.executable, "-m", _RUNNER, self.path, task.name, str(os.getpid())]
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=env, start_new_session=True)
-            self._running.add(proc)
+        episode_env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        if self.command is not None:
+            return await self._run_command(json.dumps({"prompt": prompt, "metadata": metadata}), episode_env)
+        # The task, answer and log are files in a directory only this user can read.
+        with tempfile.TemporaryDirectory(prefix="rlmesh-agent-") as tmp:
+            task, answer, log_path = (os.path.join(tmp, n) for n in ("task.json", "answer.json", "log"))
+            with open(task, "w") as f:
+                json.dump({"prompt": prompt, "metadata": metadata}, f)
             try:
-                out, err = await asyncio.get_running_loop().run_in_executor(
-                    self._waiters, functools.partial(proc.communicate, timeout=self.timeout_s))
-            except subprocess.TimeoutExpired:
-                _kill(proc)
-                await asyncio.get_running_loop().run_in_executor(self._waiters, proc.communicate)
+                launcher = await self._launched()
+                pid_future, exit_future = launcher.start(task, answer, log_path, episode_env)
+                pid = await pid_future
+            except LauncherGone as err:
+                return AgentResult(error=f"agent_crashed: agent {self.path}: {err}")
+            self._running.add(pid)
+            try:
+                code = await asyncio.wait_for(asyncio.shield(exit_future), self.timeout_s)
+            except asyncio.TimeoutError:
+                kill_episode(pid)
+                await _exited(exit_future)
                 return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
                                          f"{self.timeout_s}s and was killed")
             except asyncio.CancelledError:  # the caller gave up (its deadline): the agent goes with it
-                _kill(proc)
+                kill_episode(pid)
                 raise
+            except LauncherGone as err:
+                return AgentResult(error=f"agent_crashed: agent {self.path}: {err}")
             finally:
-                self._running.discard(proc)
-        tail = err.decode(errors="replace")[-_ERR_TAIL:].strip()
+                self._running.discard(pid)
+            tail = _tail(log_path)
+            if code != 0:
+                return AgentResult(error=f"agent_crashed: agent {self.path} exited with {code}: "
+                                         f"{tail or '(no output on stderr)'}")
+            try:
+                with open(answer) as f:
+                    out = f.read()
+            except FileNotFoundError:
+                out = ""
+            return parse_answer(self.path, out)
+
+    async def _run_command(self, task: str, episode_env: dict[str, str]) -> AgentResult:
+        """One episode of a command agent: its own process (and session), the task on stdin, the answer
+        its last line of stdout; started and waited for in a thread with plain subprocess, as the
+        reward-function workers are, not by the event loop."""
+        loop = asyncio.get_running_loop()
+        try:
+            proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env={**worker_env(self.env), **episode_env},
+                                    start_new_session=True)
+        except OSError as err:
+            return AgentResult(error=f"agent_crashed: agent {self.path} could not start: {err}")
+        self._running.add(proc.pid)
+        try:
+            out, err = await loop.run_in_executor(
+                None, functools.partial(_communicate, proc, task.encode(), self.timeout_s))
+        except subprocess.TimeoutExpired:
+            kill_episode(proc.pid)
+            await loop.run_in_executor(None, proc.wait)
+            return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
+                                     f"{self.timeout_s}s and was killed")
+        except asyncio.CancelledError:
+            kill_episode(proc.pid)
+            raise
+        finally:
+            self._running.discard(proc.pid)
         if proc.returncode != 0:
+            tail = err.decode(errors="replace")[-_ERR_TAIL:].strip()
             return AgentResult(error=f"agent_crashed: agent {self.path} exited with {proc.returncode}: "
                                      f"{tail or '(no output on stderr)'}")
         return parse_answer(self.path, out.decode(errors="replace"))
 
     def close(self) -> None:
-        """Kills the agents still running (their waiting threads then return at once)."""
-        for proc in list(self._running):
-            _kill(proc)
-        self._waiters.shutdown(wait=False, cancel_futures=True)
+        """Kills the agents still running, and the launcher."""
+        for pid in list(self._running):
+            kill_episode(pid)
+        if self._launcher is not None:
+            self._launcher.close()
+
+
+async def _exited(future: asyncio.Future) -> None:
+    try:
+        await asyncio.wait_for(future, 10)
+    except (asyncio.TimeoutError, LauncherGone):
+        pass
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _ERR_TAIL))
+            return f.read().decode(errors="replace").strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _communicate(proc: subprocess.Popen, task: bytes, timeout_s: float) -> tuple[bytes, bytes]:
+    try:
+        return proc.communicate(task, timeout=timeout_s)
+    except BrokenPipeError:  # the agent exited without reading its task
+        return proc.communicate(timeout=timeout_s)
 
 
 def parse_answer(path: str, stdout: str) -> AgentResult:
-    """The reward on the agent process's last line of stdout."""
+    """The reward on the last line of what the agent's episode process answered: a JSON object
+    {"reward", "components"} or a bare number."""
     lines = stdout.strip().splitlines()
     try:
         answer = json.loads(lines[-1]) if lines else None
     except ValueError:
         answer = None
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = {"reward": answer}
     if not isinstance(answer, dict) or "reward" not in answer:
-        return AgentResult(error=f"agent_crashed: agent {path} gave no answer line")
+        return AgentResult(error=f"agent_crashed: agent {path} gave no answer: its last line must be a number "
+                                 'or {"reward": number, "components": {name: number}}')
     reward, components = answer["reward"], answer.get("components") or {}
     ok = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward) \
         and isinstance(components, dict) \
@@ -117,10 +300,3 @@ def parse_answer(path: str, stdout: str) -> AgentResult:
                                  f"(components {components!r}); return a finite number or "
                                  "{'reward': number, 'components': {name: number}}")
     return AgentResult(float(reward), {str(k): float(v) for k, v in components.items()})
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

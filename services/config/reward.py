@@ -136,8 +136,8 @@ class RewardSection(Section):
     """Extra single-turn environments: name -> `module:function(prompt, completion, metadata)`."""
     remote: dict[str, str] = {}
     """Remote environment servers to proxy: name -> host:port."""
-    agents: dict[str, str] = {}
-    """Agent environments: name -> `module:function(prompt, metadata)`, the user's agent run unchanged against its episode's OpenAI-compatible endpoint (OPENAI_BASE_URL / OPENAI_API_KEY); it returns the reward (docs/agents.md)."""
+    agents: dict[str, str | list[str]] = {}
+    """Agent environments: name -> `module:function(prompt, metadata)` returning the reward, or a command (a list: program and arguments) that reads the task as JSON on stdin and prints its reward last on stdout; the user's agent runs unchanged against its episode's OpenAI-compatible endpoint (OPENAI_BASE_URL / OPENAI_API_KEY) (docs/agents.md)."""
     agent_timeout_s: float = Field(300.0, gt=0)
     """Wall-clock limit of one agent episode's process; past it the process is killed and the episode ends `agent_timeout`."""
     score_timeout_s: float = Field(30.0, gt=0)

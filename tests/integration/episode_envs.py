@@ -130,13 +130,15 @@ def probing_agent(prompt: list[dict], metadata: dict) -> dict:
     for _ in range(int(metadata["max_calls"]) - 1):
         said = client.chat.completions.create(model="policy", messages=messages).choices[0].message
         messages += [{"role": "assistant", "content": said.content}, {"role": "user", "content": "more"}]
-    streamed = "".join(c.choices[0].delta.content or "" for c in
-                       client.chat.completions.create(model="policy", messages=messages, stream=True) if c.choices)
+    pieces = [c.choices[0].delta.content or "" for c in
+              client.chat.completions.create(model="policy", messages=messages, stream=True) if c.choices]
+    streamed = "".join(pieces)
     try:
         client.chat.completions.create(model="policy", messages=messages)
     except Exception as err:  # openai.RateLimitError: the budget is spent
         status["over_budget"] = getattr(err, "status_code", 0)
-    return {"reward": 0.0, "components": {**{k: float(v) for k, v in status.items()}, "streamed_chars": len(streamed)}}
+    return {"reward": 0.0, "components": {**{k: float(v) for k, v in status.items()}, "streamed_chars": len(streamed),
+                                          "streamed_pieces": sum(1 for p in pieces if p)}}
 
 
 def editing_agent(prompt: list[dict], metadata: dict) -> float:

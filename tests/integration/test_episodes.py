@@ -288,7 +288,7 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
     # budget 429; what it streamed is what was sampled; the refused requests never reached the model.
     (probe,) = got[probing.group_id].samples
     assert not probe.error, probe.error
-    statuses = {k: int(v) for k, v in probe.reward_components.items() if k != "streamed_chars"}
+    statuses = {k: int(v) for k, v in probe.reward_components.items() if not k.startswith("streamed_")}
     assert statuses == {"no_key": 401, "wrong_key": 401, "empty": 400, "bad_role": 400, "n2": 400, "too_many": 400,
                         "oversized": 413, "not_json": 400, "over_budget": 429}
     assert not probe.error and probe.finish_reason == "max_calls" and probe.num_turns == AGENT_MAX_CALLS
@@ -297,6 +297,8 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
                           skip_special_tokens=True)
     # vLLM's detokenizer holds back a final incomplete UTF-8 sequence that a plain decode shows as U+FFFD
     assert probe.reward_components["streamed_chars"] == len(streamed.rstrip("\ufffd"))
+    # streamed as it was generated: more than one piece of text for a completion of several tokens
+    assert last.num_sampled_tokens < 3 or probe.reward_components["streamed_pieces"] > 1
     # An agent that rewrote the model's words: answered, but never trained (the ids would not be the sampled ones).
     (edited,) = got[editing.group_id].samples
     assert edited.finish_reason == "history_edited" and edited.error.startswith("history_edited"), edited.error

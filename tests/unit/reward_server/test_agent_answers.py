@@ -40,10 +40,83 @@ def test_an_agent_dies_with_its_reward_server():
             "asyncio.run(env.run([{'role': 'user', 'content': 'x'}], {}, 'http://127.0.0.1:9/v1', 'k'))\n")
     server = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.monotonic() + 30
-    while not (agents := psutil.Process(server.pid).children(recursive=True)):
+    # the launcher and the episode it forked
+    while len(agents := psutil.Process(server.pid).children(recursive=True)) < 2:
         assert time.monotonic() < deadline, "the agent never started"
         time.sleep(0.2)
     server.send_signal(signal.SIGKILL)
     server.wait()
     gone, alive = psutil.wait_procs(agents, timeout=10)
     assert alive == [] and gone
+
+
+def test_the_agent_is_imported_once_and_each_episode_is_its_own_process(tmp_path, monkeypatch):
+    """Episodes fork from a launcher that imported the agent once: module-level code runs once, each
+    episode has its own process, environment and random stream, and what one episode changes in the
+    module is not seen by the next."""
+    import asyncio
+    import os
+
+    imports = tmp_path / "imports"
+    (tmp_path / "counted_agent.py").write_text(
+        "import os, random\n"
+        f"open({str(imports)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "SEEN = []\n"
+        "def agent(prompt, metadata):\n"
+        "    SEEN.append(1)\n"
+        "    return {'reward': random.random(), 'components': {'pid': os.getpid(), 'seen': len(SEEN),\n"
+        "            'key': float(os.environ['OPENAI_API_KEY'])}}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = AgentEnvironment("counted", "counted_agent:agent", timeout_s=30)
+
+    async def episodes():
+        return await asyncio.gather(*(env.run([{"role": "user", "content": "x"}], {}, "http://127.0.0.1:9/v1", str(k))
+                                      for k in range(4)))
+
+    try:
+        results = asyncio.run(episodes())
+    finally:
+        env.close()
+    assert [r.error for r in results] == [""] * 4
+    assert len(imports.read_text().split()) == 1  # imported once, in the launcher
+    assert len({r.components["pid"] for r in results}) == 4 and os.getpid() not in {r.components["pid"] for r in results}
+    assert [r.components["seen"] for r in results] == [1.0] * 4
+    assert sorted(r.components["key"] for r in results) == [0.0, 1.0, 2.0, 3.0]  # each its own episode's key
+    assert len({r.reward for r in results}) == 4  # not one random stream copied into every episode
+
+
+def test_a_command_agent_reads_its_task_on_stdin_and_fails_by_name():
+    """An agent given as a command: the task as JSON on stdin, the episode's key in its environment, the
+    reward its last line of stdout (what it printed before is not the answer); one that hangs is killed
+    at the timeout, one that exits non-zero ends `agent_crashed` with its stderr."""
+    import asyncio
+    import sys
+
+    answering = [sys.executable, "-c",
+                 "import json, os, sys\n"
+                 "task = json.load(sys.stdin)\n"
+                 "print('thinking...')\n"
+                 "print(json.dumps({'reward': len(task['prompt']) + task['metadata']['bonus'],\n"
+                 "                  'components': {'key': float(os.environ['OPENAI_API_KEY'])}}))\n"]
+    bare = [sys.executable, "-c", "print(0.25)"]
+    hanging = [sys.executable, "-c", "import time; time.sleep(600)"]
+    crashing = [sys.executable, "-c", "import sys; sys.exit('no model answered')"]
+
+    async def episode(command, timeout_s=30.0):
+        env = AgentEnvironment("cmd", command, timeout_s=timeout_s)
+        try:
+            return await env.run([{"role": "user", "content": "x"}], {"bonus": 2}, "http://127.0.0.1:9/v1", "7")
+        finally:
+            env.close()
+
+    async def all_of_them():
+        return await asyncio.gather(episode(answering), episode(bare), episode(hanging, timeout_s=1.0),
+                                    episode(crashing))
+
+    answered, plain, hung, crashed = asyncio.run(all_of_them())
+    assert (answered.error, answered.reward, answered.components) == ("", 3.0, {"key": 7.0})
+    assert (plain.error, plain.reward) == ("", 0.25)
+    assert hung.error.startswith("agent_timeout: agent ") and "agent_timeout_s=1.0s" in hung.error
+    assert crashed.error.startswith("agent_crashed: ") and "no model answered" in crashed.error
+    with pytest.raises(ValueError, match="a command is a non-empty list"):
+        AgentEnvironment("cmd", [], timeout_s=1.0)

@@ -23,7 +23,7 @@ class SlowGenerator:
     def sampling_params(self, group, index, *, max_tokens=None, turn=0):
         return SimpleNamespace(max_tokens=max_tokens)
 
-    async def generate_ids(self, prompt_ids, params, request_id):
+    async def generate_ids(self, prompt_ids, params, request_id, on_text=None):
         await self.release.wait()
         ids = list(self.tokenizer.encode("ok", add_special_tokens=False))
         return Generation(ids, [-0.5] * len(ids), "stop", "ok", 0, 0)
