@@ -78,6 +78,7 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
                                    "agents": {"tool_agent": f"{ENVS}:tool_agent", "sdk_agent": f"{ENVS}:sdk_agent",
                                               "probing": f"{ENVS}:probing_agent", "editing": f"{ENVS}:editing_agent",
                                               "hanging": f"{ENVS}:hanging_agent",
+                                              "word_problems": "examples.agents.word_problems:solve",
                                               "crashing": f"{ENVS}:crashing_agent"},
                                    "agent_timeout_s": AGENT_TIMEOUT_S,
                                    "remote": {"far": f"127.0.0.1:{far_port}"},
@@ -239,9 +240,10 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
 
     good, hanging, crashing = _group("tool_agent", 3, answer=579), _group("hanging", 1), _group("crashing", 1)
     sdk = _group("sdk_agent", 2, answer=579)
+    demo = _group("word_problems", 2, answer=579)  # the demo's agent (make demo-agent), on the tiny model
     probing = _group("probing", 1, max_calls=AGENT_MAX_CALLS, max_bytes=AGENT_MAX_BYTES, max_messages=16)
     editing = _group("editing", 1)
-    groups = (good, sdk, probing, editing, hanging, crashing)
+    groups = (good, sdk, demo, probing, editing, hanging, crashing)
     for g in groups:
         await mesh["prompts"].publish(g.group_id, g.SerializeToString())
     got = await _collect(mesh, {g.group_id for g in groups})
@@ -283,6 +285,16 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
         assert not s.error and s.finish_reason == "done" and s.num_turns >= 1 and s.reward in (0.0, 1.0), s.error
         mask = list(s.completion.loss_mask)
         assert sum(mask) == sum(t.num_sampled_tokens for t in s.turns) > 0
+    # The demo's agent: the model's working, then its answer to the agent's own question in the same
+    # conversation; that question is fed back, masked out, and trained on nowhere.
+    assert problems(got[demo.group_id], demo, 0, bounds) == ""
+    for s in got[demo.group_id].samples:
+        assert not s.error and s.num_turns == 2 and s.reward in (0.0, 1.0), s.error
+        assert s.reward_components["correct"] == s.reward
+        first, second = s.turns
+        asked = list(s.completion.token_ids)[first.start + first.num_sampled_tokens: second.start]
+        assert "What is the final answer? Reply with the number only." in tok.decode(asked)
+        assert not any(list(s.completion.loss_mask)[first.start + first.num_sampled_tokens: second.start])
 
     # A client trying its endpoint: strangers 401, bad requests 400/413 naming nothing trained, the call
     # budget 429; what it streamed is what was sampled; the refused requests never reached the model.
