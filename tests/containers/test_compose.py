@@ -180,6 +180,11 @@ def run(tmp_path_factory, rlmesh_images):
         events["valkey_without_password"] = stack.docker(
             "exec", stack.containers("valkey")[0], "sh", "-c",
             "env -u VALKEYCLI_AUTH -u REDISCLI_AUTH valkey-cli -h 127.0.0.1 XLEN rlmesh:prompts 2>&1", check=False)
+        # A tier holding the password: the queue, and no administrative command.
+        events["valkey_with_password"] = stack.docker(
+            "exec", stack.containers("valkey")[0], "sh", "-c",
+            "{ valkey-cli -h 127.0.0.1 XLEN rlmesh:prompts; valkey-cli -h 127.0.0.1 CONFIG GET dir;"
+            " valkey-cli -h 127.0.0.1 FLUSHALL; } 2>&1", check=False)
         rollout, reward = stack.containers("rollout", every=False)[0], stack.containers("reward")[0]
         for name, container in (("rollout", rollout), ("reward", reward)):
             stack.crash(container)
@@ -318,3 +323,5 @@ def test_the_observability_profile_s_prometheus_scrapes_every_tier(run):
 
 def test_valkey_refuses_a_client_without_the_password(run):
     assert "NOAUTH" in run["valkey_without_password"], run["valkey_without_password"]
+    answers = run["valkey_with_password"].splitlines()
+    assert answers[0].strip().isdigit() and all("NOPERM" in a for a in answers[1:3]), answers

@@ -154,6 +154,8 @@ def slurm(rlmesh_images):
         events["running_before_scancel"] = c.rlmesh_processes()
         events["secrets"] = _secrets_stay_in_the_environment(c)
         events["stranger"] = c.on_node("node4", "python3", "-c", STRANGER.format(port=events["secrets"]["valkey_port"]))
+        events["tier"] = c.on_node("node4", "python3", "-c", TIER.format(port=events["secrets"]["valkey_port"],
+                                                                         password=events["secrets"].pop("password")))
         events["job_b_state_after_probes"] = c.job_state(job_b)
         c.run("scancel", job_b)
         c.wait(lambda: c.job_state(job_b) == "CANCELLED" and not c.run("squeue", "-h", "-j", job_b, check=False).strip(),
@@ -175,6 +177,18 @@ try:
 except Exception as err:
     print(type(err).__name__, err)
 """
+# A compromised tier, with the password (from the learner's environment): the queue, and nothing more.
+TIER = """
+import redis
+r = redis.Redis(host="node1", port={port}, password={password!r}, socket_timeout=10)
+print("queue:", r.xlen("rlmesh:prompts"))
+for command in (("CONFIG", "GET", "dir"), ("FLUSHALL",), ("KEYS", "*"), ("SHUTDOWN",)):
+    try:
+        r.execute_command(*command)
+        print("ran", command[0])
+    except redis.exceptions.NoPermissionError:
+        print("refused", command[0])
+"""
 
 
 def _secrets_stay_in_the_environment(c: Cluster) -> dict:
@@ -193,7 +207,8 @@ def _secrets_stay_in_the_environment(c: Cluster) -> dict:
                                               if value in c.on_node(node, "ps", "-eo", "args=")]
         found[f"{name} in /shared"] = c.run("grep", "-rlF", value, "/shared", check=False).split()
     port = next(int(m) for m in re.findall(r"queue\.url=redis://node1:(\d+)/0", c.on_node("node1", "ps", "-eo", "args=")))
-    return {"have": {k: len(v) for k, v in secrets.items()}, "found": found, "valkey_port": port}
+    return {"have": {k: len(v) for k, v in secrets.items()}, "found": found, "valkey_port": port,
+            "password": secrets["RLMESH_QUEUE_PASSWORD"]}
 
 
 def test_the_job_spans_four_nodes_with_each_tier_where_the_script_put_it(slurm):
@@ -253,3 +268,6 @@ def test_secrets_reach_the_tiers_only_through_their_environment(slurm):
     print(f"slurm: a client without the password, from node4: {slurm['stranger'].strip()}")
     assert slurm["job_b_state_after_probes"] == "RUNNING"
     assert "AuthenticationError" in slurm["stranger"] or "NOAUTH" in slurm["stranger"], slurm["stranger"]
+    # a tier's password works the queue and nothing more
+    assert slurm["tier"].split() == ["queue:", slurm["tier"].split()[1], "refused", "CONFIG", "refused", "FLUSHALL",
+                                     "refused", "KEYS", "refused", "SHUTDOWN"], slurm["tier"]

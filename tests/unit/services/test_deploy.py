@@ -246,7 +246,10 @@ def test_compose_requires_the_token_and_the_queue_password():
         assert env[name].startswith(f"${{{name}:?"), f"{name} must be required (no empty default): {env[name]}"
     valkey = compose["services"]["valkey"]
     command = valkey["command"]
-    assert command[command.index("--requirepass") + 1].startswith("${RLMESH_QUEUE_PASSWORD:?")
+    # the default user needs the password, and even with it runs no administrative command
+    user = command[command.index("--user") + 1:]
+    assert user[:2] == ["default", "on"] and user[2].startswith(">${RLMESH_QUEUE_PASSWORD:?")
+    assert user[3:] == ["~*", "&*", "+@all", "-@dangerous"] and "--requirepass" not in command
     assert valkey["environment"]["VALKEYCLI_AUTH"].startswith("${RLMESH_QUEUE_PASSWORD:?")  # the healthcheck logs in
 
 
@@ -265,7 +268,9 @@ def test_k8s_secrets_are_required_and_valkey_needs_its_password(rendered):
         assert "RLMESH_QUEUE_PASSWORD" in refs[tier], tier
     assert "RLMESH_QUEUE_PASSWORD" not in refs["rlmesh-reward"]  # the reward tier never touches the queue
     [valkey] = [c for d in rendered if d["metadata"]["name"] == "rlmesh-valkey" for c in _containers(d)]
-    assert valkey["args"][valkey["args"].index("--requirepass") + 1] == "$(RLMESH_QUEUE_PASSWORD)"
+    args = valkey["args"]
+    assert args[args.index("--user") + 1:] == ["default", "on", ">$(RLMESH_QUEUE_PASSWORD)", "~*", "&*", "+@all",
+                                                "-@dangerous"]
     scaler = next(d for d in rendered if d["kind"] == "ScaledObject")
     auth = next(d for d in rendered if d["kind"] == "TriggerAuthentication")
     assert scaler["spec"]["triggers"][0]["authenticationRef"]["name"] == auth["metadata"]["name"]
