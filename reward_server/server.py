@@ -64,8 +64,10 @@ async def serve(config: RunConfig, port: int) -> None:
     for name, judge in _local(section.judge, section.remote):
         service.add_local(name, JudgeEnvironment(name, **judge.model_dump()))
     for name, path in _local(section.agents, section.remote):
+        # Agents verify the rollout tier's HTTPS endpoint (where the mesh has TLS) with the mesh's CA.
         service.add_local(name, AgentEnvironment(name, path, timeout_s=section.agent_timeout_s,
                                                  env=tuple(section.function_env),
+                                                 ca_file=tls.ca if tls is not None else None,
                                                  max_concurrency=section.env_max_concurrency))
     if "math" not in section.remote:  # the built-in math environment, with its settings from reward.math
         service.add_local("math", MathEnvironment(**section.math.model_dump()))

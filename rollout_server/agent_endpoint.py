@@ -23,7 +23,9 @@ server-sent events, the text as it is generated (with `tools`, once the generati
 call is known only from the whole text).
 
 Every request is authenticated by its episode's key (HTTP 401 otherwise), bounded (body size,
-messages, calls, tokens and time per episode) and validated (HTTP 400 naming the field).
+messages, calls, tokens and time per episode) and validated (HTTP 400 naming the field). Where the
+mesh has TLS (network.tls), the endpoint speaks HTTPS with the rollout tier's certificate, and the
+reward tier gives its agents the CA to verify it (SSL_CERT_FILE).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import json
 import logging
 import re
 import secrets
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -50,6 +53,7 @@ from rlmesh.v1 import common_pb2
 
 if TYPE_CHECKING:
     from rlmesh.rollout_server.generator import VLLMGenerator
+    from rlmesh.services.auth import TLSFiles
     from rlmesh.services.config import AgentEndpointSection, RolloutSection
 
 log = logging.getLogger(__name__)
@@ -185,8 +189,10 @@ class AgentEpisode:
 class AgentEndpoint:
     """Opens and closes agent episodes and serves their chat-completion calls over HTTP."""
 
-    def __init__(self, generator: VLLMGenerator, cfg: AgentEndpointSection, rollout: RolloutSection) -> None:
-        self.generator, self.cfg = generator, cfg
+    def __init__(self, generator: VLLMGenerator, cfg: AgentEndpointSection, rollout: RolloutSection,
+                 tls: TLSFiles | None = None) -> None:
+        """With `tls` holding a certificate (network.tls), the endpoint speaks HTTPS with it."""
+        self.generator, self.cfg, self.tls = generator, cfg, tls
         self.max_total = min(cfg.max_total_tokens or rollout.max_model_len, rollout.max_model_len)
         self.max_tokens = cfg.max_tokens or rollout.max_tokens
         self.codec = ChatCodec(generator.tokenizer)
@@ -203,10 +209,15 @@ class AgentEndpoint:
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        context = None
+        if self.tls is not None and self.tls.cert:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.tls.cert, self.tls.key)
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, ssl_context=context)
         await site.start()
         port = self._runner.addresses[0][1]
-        self.url = self.cfg.public_url or f"http://{self.cfg.host}:{port}/v1"
+        scheme = "http" if context is None else "https"
+        self.url = self.cfg.public_url or f"{scheme}://{self.cfg.host}:{port}/v1"
         log.info("agent endpoint on %s:%d (episodes get %s)", self.cfg.host, port, self.url)
         return self.url
 

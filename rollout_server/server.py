@@ -150,7 +150,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     if config.rollout.agent_endpoint.enabled:
         from rlmesh.rollout_server.agent_endpoint import AgentEndpoint
 
-        endpoint = AgentEndpoint(generator, config.rollout.agent_endpoint, config.rollout)
+        endpoint = AgentEndpoint(generator, config.rollout.agent_endpoint, config.rollout, tls)
         await endpoint.start()
     # RunAgent waits for the agent's whole episode: its deadline is the agent's limit plus a margin.
     agents = AgentRunner(endpoint, rewards, config.reward.agent_timeout_s + 30.0)

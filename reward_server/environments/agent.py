@@ -144,7 +144,9 @@ class AgentEnvironment:
     kind = "agent"
 
     def __init__(self, name: str, path: str | list[str], *, timeout_s: float, env: tuple[str, ...] = (),
-                 max_concurrency: int = 8) -> None:
+                 max_concurrency: int = 8, ca_file: str | None = None) -> None:
+        """`ca_file`: the CA an HTTPS endpoint's certificate is checked against, given to the agent as
+        SSL_CERT_FILE (which the openai client's httpx reads)."""
         self.command: list[str] | None = None
         if isinstance(path, str):
             module, sep, attr = path.partition(":")
@@ -157,6 +159,7 @@ class AgentEnvironment:
                                  "non-empty strings, e.g. ['python', 'my_agent.py']")
             self.command, path = list(path), shlex.join(path)
         self.name, self.path, self.timeout_s, self.env = name, path, timeout_s, env
+        self.tls_env = {"SSL_CERT_FILE": ca_file} if ca_file else {}
         self.description = f"agent {path}"
         self._slots = asyncio.Semaphore(max_concurrency)  # episodes whose agent process runs at once
         self._launcher: _Launcher | None = None
@@ -175,7 +178,7 @@ class AgentEnvironment:
         return launcher
 
     async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
-        episode_env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        episode_env = {**self.tls_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
         if self.command is not None:
             return await self._run_command(json.dumps({"prompt": prompt, "metadata": metadata}), episode_env)
         # The task, answer and log are files in a directory only this user can read.

@@ -34,7 +34,7 @@ class AgentEndpointSection(Section):
     port: int = Field(0, ge=0, le=65535)
     """Port of the endpoint (0: any free port)."""
     public_url: str | None = None
-    """Base URL agents are given (e.g. http://rollout-0:8100/v1); unset: http://<host>:<port>/v1."""
+    """Base URL agents are given (e.g. http://rollout-0:8100/v1); unset: http://<host>:<port>/v1 (https:// under network.tls, with the rollout tier's certificate)."""
     max_calls: int = Field(16, ge=1)
     """Chat-completion calls one episode may make; past it a call is refused (`episode_limit`)."""
     max_total_tokens: int | None = Field(None, ge=2)

@@ -65,9 +65,10 @@ def test_the_agent_is_imported_once_and_each_episode_is_its_own_process(tmp_path
         "def agent(prompt, metadata):\n"
         "    SEEN.append(1)\n"
         "    return {'reward': random.random(), 'components': {'pid': os.getpid(), 'seen': len(SEEN),\n"
-        "            'key': float(os.environ['OPENAI_API_KEY'])}}\n")
+        "            'key': float(os.environ['OPENAI_API_KEY']),\n"
+        "            'ca': float(os.environ.get('SSL_CERT_FILE') == '/mesh/ca.crt')}}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    env = AgentEnvironment("counted", "counted_agent:agent", timeout_s=30)
+    env = AgentEnvironment("counted", "counted_agent:agent", timeout_s=30, ca_file="/mesh/ca.crt")
 
     async def episodes():
         return await asyncio.gather(*(env.run([{"role": "user", "content": "x"}], {}, "http://127.0.0.1:9/v1", str(k))
@@ -81,6 +82,7 @@ def test_the_agent_is_imported_once_and_each_episode_is_its_own_process(tmp_path
     assert len(imports.read_text().split()) == 1  # imported once, in the launcher
     assert len({r.components["pid"] for r in results}) == 4 and os.getpid() not in {r.components["pid"] for r in results}
     assert [r.components["seen"] for r in results] == [1.0] * 4
+    assert [r.components["ca"] for r in results] == [1.0] * 4  # the CA of the endpoint's certificate
     assert sorted(r.components["key"] for r in results) == [0.0, 1.0, 2.0, 3.0]  # each its own episode's key
     assert len({r.reward for r in results}) == 4  # not one random stream copied into every episode
 

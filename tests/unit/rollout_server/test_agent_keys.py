@@ -55,3 +55,40 @@ async def test_a_key_dies_with_its_episode_and_calls_do_not_overlap():
                 assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
     finally:
         await endpoint.stop()
+
+
+@pytest.mark.asyncio
+async def test_with_tls_the_endpoint_speaks_https_that_an_agent_given_the_ca_verifies(tmp_path, monkeypatch):
+    """Under network.tls the endpoint serves HTTPS with the rollout tier's certificate: the openai client
+    with the mesh's CA as SSL_CERT_FILE (what the reward tier gives its agents) gets its answer; plain HTTP
+    and a client that trusts only the public CAs get none."""
+    import openai
+
+    from rlmesh.services.auth import TLSFiles
+    from rlmesh.services.tls_certs import make_certificates
+
+    certs = make_certificates(tmp_path)
+    generator = SlowGenerator()
+    generator.release.set()
+    tls = TLSFiles(str(certs["rollout"]), str(tmp_path / "rollout.key"), str(certs["ca"]))
+    endpoint = AgentEndpoint(generator, AgentEndpointSection(enabled=True), RolloutSection(max_model_len=512), tls)
+    await endpoint.start()
+    episode = endpoint.open(common_pb2.PromptGroup(group_id="g", n=1), 0)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        assert endpoint.url.startswith("https://127.0.0.1:")
+        monkeypatch.setenv("SSL_CERT_FILE", str(certs["ca"]))
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=episode.key, max_retries=0)
+        reply = await client.chat.completions.create(model="tiny", messages=messages)
+        assert reply.choices[0].message.content == "ok"
+        monkeypatch.delenv("SSL_CERT_FILE")
+        untrusting = openai.AsyncOpenAI(base_url=endpoint.url, api_key=episode.key, max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            await untrusting.chat.completions.create(model="tiny", messages=messages)
+        plain = openai.AsyncOpenAI(base_url=endpoint.url.replace("https://", "http://"), api_key=episode.key,
+                                   max_retries=0)
+        with pytest.raises((openai.APIConnectionError, openai.APIStatusError)):
+            await plain.chat.completions.create(model="tiny", messages=messages)
+        assert endpoint.close(episode).num_turns == 1  # only the verified call reached the model
+    finally:
+        await endpoint.stop()
