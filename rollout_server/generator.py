@@ -4,10 +4,13 @@ logprobs and the policy versions each sample spans, and applies in-place weight 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -43,6 +46,12 @@ def configure_vllm_env(cfg: RolloutSection) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.cpu_cores)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM leaves its ZeroMQ sockets in the base path it is given (/tmp by default, a few per engine
+    # start): give it a directory of this server's own, removed when the server exits.
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        rpc = tempfile.mkdtemp(prefix="rlmesh-vllm-")
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc
+        atexit.register(shutil.rmtree, rpc, ignore_errors=True)
     # vLLM-CPU compiles its sampler ops with inductor (C++) on the first batch, even with
     # enforce_eager: keep the artifacts where the next run finds them (torch's default is under
     # /tmp, a tmpfs in the containers), so only the first run on a machine pays for the compile.

@@ -122,3 +122,31 @@ def test_a_command_agent_reads_its_task_on_stdin_and_fails_by_name():
     assert crashed.error.startswith("agent_crashed: ") and "no model answered" in crashed.error
     with pytest.raises(ValueError, match="a command is a non-empty list"):
         AgentEnvironment("cmd", [], timeout_s=1.0)
+
+
+def test_a_launcher_that_dies_fails_its_episodes_by_name_and_the_next_episode_gets_a_new_one(tmp_path, monkeypatch):
+    """An agent that kills its launcher (what an out-of-memory kill would do) ends its own episode
+    `agent_crashed` naming the launcher; the next episode is served by a launcher started afresh."""
+    import asyncio
+
+    (tmp_path / "fatal_agent.py").write_text(
+        "import os, signal\n"
+        "def agent(prompt, metadata):\n"
+        "    if metadata.get('kill'):\n"
+        "        os.kill(os.getppid(), signal.SIGKILL)\n"
+        "        import time; time.sleep(60)\n"
+        "    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = AgentEnvironment("fatal", "fatal_agent:agent", timeout_s=30)
+
+    async def episodes():
+        killed = await env.run([{"role": "user", "content": "x"}], {"kill": True}, "http://127.0.0.1:9/v1", "k")
+        after = await env.run([{"role": "user", "content": "x"}], {}, "http://127.0.0.1:9/v1", "k")
+        return killed, after
+
+    try:
+        killed, after = asyncio.run(episodes())
+    finally:
+        env.close()
+    assert killed.error.startswith("agent_crashed: agent fatal_agent:agent: its launcher process exited with -9")
+    assert (after.error, after.reward) == ("", 1.0)
