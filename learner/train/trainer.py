@@ -46,6 +46,9 @@ class Trainer:
         # (half of fp32's bytes), never fp32 it would cast on load.
         served = config.rollout.dtype
         self.wire_dtype: torch.dtype | None = getattr(torch, served) if served in ("bfloat16", "float16") else None
+        # A tied output layer is the embedding matrix under a second name: sent once, as the embedding
+        # (vLLM ties them as the model does, and skips lm_head.weight when it loads a tied model).
+        self.not_sent = frozenset({"lm_head.weight"} if _tied(model_path) else ())
 
     # --- rank 0: announce, then run the same collective here --------------------------------------
 
@@ -54,7 +57,7 @@ class Trainer:
         return self._step(seqs, lr)
 
     def weight_metas(self) -> list[TensorMeta]:
-        metas = self.backend.weight_metas()
+        metas = [m for m in self.backend.weight_metas() if m.name not in self.not_sent]
         if self.wire_dtype is None:
             return metas
         wire = str(self.wire_dtype).removeprefix("torch.")
@@ -62,7 +65,9 @@ class Trainer:
 
     def stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.channel.announce("weights")
-        for name, tensor in self.backend.full_weights():
+        for name, tensor in self.backend.full_weights():  # every tensor gathered: a collective on all ranks
+            if name in self.not_sent:
+                continue
             cast = self.wire_dtype is not None and tensor.is_floating_point()
             yield name, tensor.to(self.wire_dtype) if cast else tensor
 
@@ -136,3 +141,16 @@ class Trainer:
                 self.backend.save_pretrained(payload)
             else:
                 raise AssertionError(f"unknown learner command {command!r}")
+
+
+def _tied(model_path: str) -> bool:
+    """Whether the model's output layer is its input embedding (the config's `tie_word_embeddings`,
+    with the architecture's own default)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):  # not an HF model directory: every tensor is sent
+        return False
+    return bool(getattr(config, "tie_word_embeddings", False))
+

@@ -106,3 +106,20 @@ def test_pi_old_from_the_training_forward_equals_a_recomputed_pi_old(tiny_model_
     assert fused["mismatch_kl"] == pytest.approx(recomputed["mismatch_kl"], rel=1e-5)
     assert fused["mismatch_kl"][0] > 0  # behaviour logprobs differ from the model's: the metric is live
     assert_same_weights(fused["weights"], recomputed["weights"])
+
+
+def test_a_tied_output_layer_is_sent_once_as_the_embedding(tiny_model_dir, tmp_path):
+    """With tie_word_embeddings the output layer is the embedding under a second name: the broadcast
+    sends it once (as the embedding; vLLM ties them too), the untied model sends both."""
+    import shutil
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_model_dir, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    trainer = make_trainer(tied)
+    sent = [m.name for m in trainer.weight_metas()]
+    assert sent == [name for name, _ in trainer.stream_weights()]
+    assert "model.embed_tokens.weight" in sent and "lm_head.weight" not in sent
+    assert len(sent) == len(trainer.backend.weight_metas()) - 1
+    assert "lm_head.weight" in [m.name for m in make_trainer(tiny_model_dir).weight_metas()]
