@@ -361,5 +361,6 @@ class VLLMGenerator:
         rpc = os.environ.get("VLLM_RPC_BASE_PATH", "")
         if Path(rpc).name.startswith(_RPC_PREFIX):  # the directory configure_vllm_env made: its sockets are done
             shutil.rmtree(rpc, ignore_errors=True)
+            del os.environ["VLLM_RPC_BASE_PATH"]  # an engine started later in this process gets a new one
         if self.adapter:
             self.adapter.close()
