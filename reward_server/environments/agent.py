@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from rlmesh.reward_server.environments.agent_process import kill_episode
@@ -164,6 +165,8 @@ class AgentEnvironment:
         self._slots = asyncio.Semaphore(max_concurrency)  # episodes whose agent process runs at once
         self._launcher: _Launcher | None = None
         self._running: set[int] = set()  # pids of the episodes running now
+        # a command agent's episodes are waited for in threads of their own, never the loop's default pool
+        self._waiters = ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"agent-{name}") if self.command else None
 
     async def run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
         async with self._slots:
@@ -198,8 +201,7 @@ class AgentEnvironment:
             except asyncio.TimeoutError:
                 kill_episode(pid)
                 await _exited(exit_future)
-                return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
-                                         f"{self.timeout_s}s and was killed")
+                return self._timed_out()
             except asyncio.CancelledError:  # the caller gave up (its deadline): the agent goes with it
                 kill_episode(pid)
                 raise
@@ -207,10 +209,8 @@ class AgentEnvironment:
                 return AgentResult(error=f"agent_crashed: agent {self.path}: {err}")
             finally:
                 self._running.discard(pid)
-            tail = _tail(log_path)
             if code != 0:
-                return AgentResult(error=f"agent_crashed: agent {self.path} exited with {code}: "
-                                         f"{tail or '(no output on stderr)'}")
+                return self._crashed(code, _tail(log_path))
             try:
                 with open(answer) as f:
                     out = f.read()
@@ -232,22 +232,27 @@ class AgentEnvironment:
         self._running.add(proc.pid)
         try:
             out, err = await loop.run_in_executor(
-                None, functools.partial(_communicate, proc, task.encode(), self.timeout_s))
+                self._waiters, functools.partial(_communicate, proc, task.encode(), self.timeout_s))
         except subprocess.TimeoutExpired:
             kill_episode(proc.pid)
-            await loop.run_in_executor(None, proc.wait)
-            return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
-                                     f"{self.timeout_s}s and was killed")
+            await loop.run_in_executor(self._waiters, proc.wait)
+            return self._timed_out()
         except asyncio.CancelledError:
             kill_episode(proc.pid)
             raise
         finally:
             self._running.discard(proc.pid)
         if proc.returncode != 0:
-            tail = err.decode(errors="replace")[-_ERR_TAIL:].strip()
-            return AgentResult(error=f"agent_crashed: agent {self.path} exited with {proc.returncode}: "
-                                     f"{tail or '(no output on stderr)'}")
+            return self._crashed(proc.returncode, err.decode(errors="replace")[-_ERR_TAIL:].strip())
         return parse_answer(self.path, out.decode(errors="replace"))
+
+    def _timed_out(self) -> AgentResult:
+        return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
+                                 f"{self.timeout_s}s and was killed")
+
+    def _crashed(self, code: int, stderr_tail: str) -> AgentResult:
+        return AgentResult(error=f"agent_crashed: agent {self.path} exited with {code}: "
+                                 f"{stderr_tail or '(no output on stderr)'}")
 
     def close(self) -> None:
         """Kills the agents still running, and the launcher."""
@@ -255,6 +260,8 @@ class AgentEnvironment:
             kill_episode(pid)
         if self._launcher is not None:
             self._launcher.close()
+        if self._waiters is not None:  # their waits return at once: the processes are dead
+            self._waiters.shutdown(wait=False, cancel_futures=True)
 
 
 async def _exited(future: asyncio.Future) -> None:
