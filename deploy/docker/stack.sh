@@ -75,7 +75,21 @@ debian_image() {
     | $DOCKER import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' - "$tag" >/dev/null
 }
 
+# A build whose dependency layer is not cached writes ~10 GB (the build stage's virtualenv, then the
+# image's copy); with less free, it fails half-way with pip's "No space left on device".
+check_space() {
+  local root free_gb
+  root=$($DOCKER info -f '{{.DockerRootDir}}' 2>/dev/null || true)
+  [ -d "$root" ] || return 0  # a remote engine: its disk is not ours to measure
+  free_gb=$(( $(df -Pk "$root" | awk 'NR==2 {print $4}') / 1048576 ))
+  if [ "$free_gb" -lt 12 ]; then
+    say "warning: $free_gb GB free under $root; an uncached build needs ~12 GB. Free some with" \
+        "'docker image prune' (untagged images) or 'docker rmi' of old rlmesh images"
+  fi
+}
+
 images() {
+  check_space
   has_image "$BASE_IMAGE" || debian_image "$BASE_IMAGE" python3,python3-venv,python3-dev,libgomp1,libnuma1,g++,ca-certificates
   # Redis from Debian under Valkey's command names, so the compose file's commands work with both
   # this image and valkey/valkey. Valkey is a fork of Redis 7.2 and speaks the same protocol.
@@ -94,17 +108,25 @@ images() {
       ".[train,cpu,envs]" "setuptools>=69" wheel "async-timeout>=4.0.3" >"$log" 2>&1; then
     cat "$log" >&2; say "pip download failed (log above, also in $log)"; exit 1
   fi
-  local image=${RLMESH_IMAGE:-rlmesh:cpu} before after
-  before=$($DOCKER image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)
+  local image=${RLMESH_IMAGE:-rlmesh:cpu}
+  # The build stage is tagged too (<image>-build): it is the cache of the ~5 GB dependency layer, and
+  # untagged, each change of pyproject.toml left the previous one behind for good.
   say "building $image (offline: base $BASE_IMAGE, wheels from the wheelhouse)"
+  build_replacing "$image-build" --target build
+  build_replacing "$image"
+}
+
+# `docker build -t TAG [args]` of deploy/docker/Dockerfile, then the image TAG named before is removed:
+# a rebuild moves the tag and would leave the previous image (~4.5 GB) untagged on disk, so that
+# rebuilding after each change filled the disk. An image a container still uses is kept (rmi refuses).
+build_replacing() {
+  local tag=$1 before after; shift
+  before=$($DOCKER image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)
   DOCKER_BUILDKIT=0 $DOCKER build -q -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
-    --build-arg OFFLINE=1 -t "$image" . >&2
-  # A rebuild moves the tag and leaves the previous image behind untagged (~4.5 GB: its copy of the
-  # virtualenv is a layer of its own), so rebuilding after each change filled the disk. Remove it;
-  # the build stage's cached layers stay. An image a container still uses is kept (rmi refuses).
-  after=$($DOCKER image inspect -f '{{.Id}}' "$image")
+    --build-arg OFFLINE=1 -t "$tag" "$@" . >&2
+  after=$($DOCKER image inspect -f '{{.Id}}' "$tag")
   if [ -n "$before" ] && [ "$before" != "$after" ] && $DOCKER rmi "$before" >/dev/null 2>&1; then
-    say "removed the previous $image (${before:7:12})"
+    say "removed the previous $tag (${before:7:12})"
   fi
 }
 
