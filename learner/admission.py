@@ -62,6 +62,10 @@ class Admission:
         self.num_dropped_other = 0
         self.num_duplicates = 0
         self.num_dropped_invalid = 0  # not issued by this run, or malformed
+        # Groups dropped as all-equal (dynamic sampling) since the last step: their samples' rewards,
+        # so that the reward of everything generated is still reported (`take_flat_rewards`).
+        self.flat_rewards: list[float] = []
+        self.num_dropped_flat = 0
         self.num_reissued_after_invalid = 0
 
     async def _drop(self, entry: Entry, group: common_pb2.TrajectoryGroup, version: int, reason: str) -> None:
@@ -125,13 +129,20 @@ class Admission:
             errors = {s.error for s in group.samples if s.error}
             reason = f"{len(valid)} valid samples (errors: {'; '.join(sorted(errors))[:300]})"
         elif self.drop_flat and len({s.reward for s in valid}) == 1:
-            reason = "all rewards equal (dynamic sampling)"
+            self.num_dropped_flat += 1
+            self.flat_rewards.extend(s.reward for s in valid)
+            reason = f"all rewards equal ({valid[0].reward:g}; dynamic sampling)"
         if reason:
             self.num_dropped_other += 1
             await self._drop(entry, group, version, reason)
             return False
         self.buffered.add(group.group_id)
         return True
+
+    def take_flat_rewards(self) -> list[float]:
+        """The rewards of the samples in groups dropped as all-equal since the last call."""
+        rewards, self.flat_rewards = self.flat_rewards, []
+        return rewards
 
     def _keep(self, group_id: str, issued: common_pb2.PromptGroup) -> None:
         """Keep what was issued under a group id that is back, for validating later copies."""

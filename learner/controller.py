@@ -100,6 +100,14 @@ class Controller:
         await self.broadcaster.settled()
         await self.issuer.issue_train(num_buffered, version)
 
+    async def _refill(self, num_ready: int) -> None:
+        """During a step, groups were dropped: issue prompts in their place at this version, counting
+        the step's own batch as still buffered (so the bound is the one the last top-up kept). Not
+        before that top-up has run: it waits until every generator holds this version. Synchronous
+        runs (k=0) issue nothing here: the next fill does; nor does the last step (nothing trains after it)."""
+        if self.version + 1 < self.config.learner.num_steps and (self.issuing is None or self.issuing.done()):
+            await self.issuer.issue_train(num_ready + self.B, self.version)
+
     async def resume(self) -> None:
         """Continue from the newest durable checkpoint, if any: restore weights, optimizer, RNG,
         version, data cursor and the trained group ids, then replay this consumer's unacked
@@ -156,7 +164,7 @@ class Controller:
                  "lr_schedule": {"kind": lr.lr_schedule, "next_lr": learning_rate(lr, self.version)},
                  "first_eval": self.evaluator.first,
                  "counters": {"num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
-                              "num_dropped_invalid": a.num_dropped_invalid,
+                              "num_dropped_invalid": a.num_dropped_invalid, "num_dropped_flat": a.num_dropped_flat,
                               "num_duplicates": a.num_duplicates,
                               "num_reissued_after_invalid": a.num_reissued_after_invalid}}
         path = await self._torch(save_checkpoint, self.run_dir / "checkpoints", self.version, self.trainer,
@@ -238,7 +246,7 @@ class Controller:
             step = asyncio.ensure_future(self._timed_step(seqs, learning_rate(cfg.learner, self.version)))
             # While the torch thread trains, the event loop decodes and validates what arrives (and
             # the prompt top-up started after the last broadcast runs): off the step's critical path.
-            await self.reader.admit_during(step, self.version, ready, self.held_back)
+            await self.reader.admit_during(step, self.version, ready, self.held_back, refill=self._refill)
             train_metrics, t_trained = await step
             train_s = t_trained - t_step
             self.version += 1
@@ -286,8 +294,12 @@ class Controller:
         samples = [s for g in groups for s in g.samples if not s.error]
         num_tokens = sum(len(s.completion.token_ids) for s in samples)
         now = time.monotonic()
+        # Under dynamic sampling the trained groups are only those with a signal: the reward of
+        # everything generated since the last step counts the all-equal groups dropped too.
+        generated = [s.reward for s in samples] + a.take_flat_rewards()
         record = {
             "kind": "train", "version": self.version, "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "reward_mean_generated": sum(generated) / len(generated), "num_dropped_flat": a.num_dropped_flat,
             "num_groups": len(groups), "num_samples": len(samples), "num_tokens": num_tokens,
             "completion_tokens": [len(s.completion.token_ids) for s in samples],  # each sample's length
             "tokens_per_s": num_tokens / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
@@ -321,7 +333,7 @@ class Controller:
             "held_out_accuracy_at_start_of_this_process": before["accuracy"],
             "max_staleness_seen": self.max_staleness_seen, "num_dropped_stale": a.num_dropped_stale,
             "num_dropped_other": a.num_dropped_other, "num_dropped_invalid": a.num_dropped_invalid,
-            "num_duplicates": a.num_duplicates,
+            "num_dropped_flat": a.num_dropped_flat, "num_duplicates": a.num_duplicates,
             "num_reissued_after_queue_loss": self.issuer.num_reissued,
             "num_reissued_after_invalid": a.num_reissued_after_invalid,
             "queue_reconnects": self.prompts.num_reconnects + self.trajectories.num_reconnects,

@@ -86,8 +86,11 @@ class PromptIssuer:
             ex = self.train_set.at(self.cursor)
             self.cursor += 1
             groups.append(self.prompt_group(ex, "train", self.group_size, version, greedy=False))
-        for i in range(0, len(groups), PUBLISH_BATCH):
-            await self.prompts.publish_many([self._record(g) for g in groups[i:i + PUBLISH_BATCH]])
+        # All recorded as outstanding before the first publish yields: an issue_train running beside
+        # this one (a refill during a step) sees them in flight and issues no more than the bound.
+        records = [self._record(g) for g in groups]
+        for i in range(0, len(records), PUBLISH_BATCH):
+            await self.prompts.publish_many(records[i:i + PUBLISH_BATCH])
         return budget
 
     def issued(self, group: common_pb2.TrajectoryGroup) -> common_pb2.PromptGroup | None:

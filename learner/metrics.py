@@ -120,6 +120,9 @@ def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 2 if lengths else 1, figsize=(12 if lengths else 7, 4), squeeze=False)
     ax = axes[0][0]
     ax.plot([r["version"] for r in train], [r["reward_mean"] for r in train], label="train reward (mean over samples)")
+    if any(r.get("num_dropped_flat") for r in train):  # dynamic sampling: the trained groups are the mixed ones
+        ax.plot([r["version"] for r in train], [r.get("reward_mean_generated", r["reward_mean"]) for r in train],
+                label="reward of all samples generated (incl. all-equal groups dropped)")
     if evals:
         ax.plot([r["version"] for r in evals], [r["accuracy"] for r in evals], "o--", label="held-out accuracy (greedy)")
     ax.set_xlabel("policy version (optimizer steps)")

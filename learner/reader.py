@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
@@ -78,22 +79,31 @@ class TrajectoryReader:
                 await self.admission.drop_undecodable(entry, err)
         return out
 
-    async def admit_during(self, busy: asyncio.Future, version: int, ready: Arrivals, held_back: Arrivals) -> None:
+    async def admit_during(self, busy: asyncio.Future, version: int, ready: Arrivals, held_back: Arrivals,
+                           refill: Callable[[int], Awaitable[object]] | None = None) -> None:
         """Until `busy` (a training step at learner `version`) is done: admit arriving train groups
         into `ready` at `version`, and keep the others (evaluation rounds) in `held_back` for the
         next fill. The caller re-checks staleness once the version moves on, as for any leftover.
         No catch-up broadcast starts here (it would wait for the step, with servers paused), and a
         read is never cancelled: it returns within DURING_STEP_BLOCK_MS of the step's end; what it
-        brings after the step's end goes to `held_back` unadmitted (the next fill admits it)."""
+        brings after the step's end goes to `held_back` unadmitted (the next fill admits it).
+        After each read that brought a train group and admitted none (dropped, e.g. all rewards
+        equal), `refill(len(ready))` is awaited: the caller issues prompts in place of what was
+        dropped, rather than leaving the rollout tier idle until the step ends."""
         while not busy.done():
             entries = await self.trajectories.read(CONSUMER, count=256, block_ms=DURING_STEP_BLOCK_MS)
             if entries:
                 self._last_arrival = time.monotonic()
+            dropped = False
             for entry, group in await self._decode(entries):
                 if group.prompt.split != "train" or busy.done():
                     held_back.append((entry, group))
                 elif await self.admission.accept(entry, group, version):
                     ready.append((entry, group))
+                else:
+                    dropped = True
+            if dropped and refill is not None and not busy.done():
+                await refill(len(ready))
 
     async def replay_pending(self) -> Arrivals:
         """This consumer's entries delivered before a restart and never acked (an undecodable one is

@@ -139,6 +139,18 @@ async def test_dynamic_sampling_drops_groups_without_signal(drop):
     assert accepted is (not drop)
 
 
+async def test_dropped_all_equal_groups_keep_their_rewards_for_the_step_record():
+    admission = _admission(drop_flat=True)
+    assert not await admission.accept(*_group("right", [(0, 0)] * 4, rewards=[1.0] * 4), version=0)
+    assert not await admission.accept(*_group("wrong", [(0, 0)] * 4, rewards=[0.0] * 4), version=0)
+    assert await admission.accept(*_group("mixed", [(0, 0)] * 4), version=0)
+    assert admission.num_dropped_flat == 2 and admission.num_dropped_other == 2
+    assert admission.take_flat_rewards() == [1.0] * 4 + [0.0] * 4
+    assert admission.take_flat_rewards() == []  # counted in one step's record only
+    assert [r["reason"] for r in admission.dropped_log.rows] == [
+        "all rewards equal (1; dynamic sampling)", "all rewards equal (0; dynamic sampling)"]
+
+
 async def test_a_group_already_buffered_is_a_duplicate_not_a_second_sample():
     admission = _admission()
     assert await admission.accept(*_group("g", [(0, 0)] * 4), version=0)
