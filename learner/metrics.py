@@ -129,7 +129,7 @@ def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize="small")
     ax.set_title("rlmesh GRPO reward curve")
     if lengths:
         _plot_lengths(axes[0][1], lengths)
