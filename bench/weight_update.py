@@ -305,8 +305,8 @@ def main() -> None:
             for param in model.parameters():
                 param.mul_(1.001)
         # What the learner sends: a tied output head is the embedding, sent once (Trainer.not_sent).
-        from rlmesh.learner.train.trainer import _tied
-        tied = _tied(str(model_dir))
+        from rlmesh.learner.train.trainer import tied_output_layer
+        tied = tied_output_layer(str(model_dir))
         named = [(n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, WeightSource.of(named), args.rounds, tmp,

@@ -33,6 +33,8 @@ DOCKER=docker
 [ -x /usr/bin/docker ] && DOCKER=/usr/bin/docker
 
 say() { echo "stack: $*" >&2; }
+# shellcheck source=deploy/docker/build_replacing.sh
+. deploy/docker/build_replacing.sh
 
 need_root() {
   [ "$(id -u)" = 0 ] || { say "$1 needs root (or install it yourself: $2)"; exit 1; }
@@ -112,22 +114,9 @@ images() {
   # The build stage is tagged too (<image>-build): it is the cache of the ~5 GB dependency layer, and
   # untagged, each change of pyproject.toml left the previous one behind for good.
   say "building $image (offline: base $BASE_IMAGE, wheels from the wheelhouse)"
-  build_replacing "$image-build" --target build
-  build_replacing "$image"
-}
-
-# `docker build -t TAG [args]` of deploy/docker/Dockerfile, then the image TAG named before is removed:
-# a rebuild moves the tag and would leave the previous image (~4.5 GB) untagged on disk, so that
-# rebuilding after each change filled the disk. An image a container still uses is kept (rmi refuses).
-build_replacing() {
-  local tag=$1 before after; shift
-  before=$($DOCKER image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)
-  DOCKER_BUILDKIT=0 $DOCKER build -q -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
-    --build-arg OFFLINE=1 -t "$tag" "$@" . >&2
-  after=$($DOCKER image inspect -f '{{.Id}}' "$tag")
-  if [ -n "$before" ] && [ "$before" != "$after" ] && $DOCKER rmi "$before" >/dev/null 2>&1; then
-    say "removed the previous $tag (${before:7:12})"
-  fi
+  local args=(-f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg OFFLINE=1)
+  build_replacing "$image-build" "${args[@]}" --target build .
+  build_replacing "$image" "${args[@]}" .
 }
 
 compose() {

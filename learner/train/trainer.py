@@ -48,7 +48,7 @@ class Trainer:
         self.wire_dtype: torch.dtype | None = getattr(torch, served) if served in ("bfloat16", "float16") else None
         # A tied output layer is the embedding matrix under a second name: sent once, as the embedding
         # (vLLM ties them as the model does, and skips lm_head.weight when it loads a tied model).
-        self.not_sent = frozenset({"lm_head.weight"} if _tied(model_path) else ())
+        self.not_sent = frozenset({"lm_head.weight"} if tied_output_layer(model_path) else ())
 
     # --- rank 0: announce, then run the same collective here --------------------------------------
 
@@ -143,7 +143,7 @@ class Trainer:
                 raise AssertionError(f"unknown learner command {command!r}")
 
 
-def _tied(model_path: str) -> bool:
+def tied_output_layer(model_path: str) -> bool:
     """Whether the model's output layer is its input embedding (the config's `tie_word_embeddings`,
     with the architecture's own default)."""
     from transformers import AutoConfig
@@ -153,4 +153,3 @@ def _tied(model_path: str) -> bool:
     except (OSError, ValueError):  # not an HF model directory: every tensor is sent
         return False
     return bool(getattr(config, "tie_word_embeddings", False))
-

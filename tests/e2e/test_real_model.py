@@ -29,9 +29,9 @@ MISMATCH_KL_BOUND = 1e-6
 def test_the_real_model_trains_through_the_mesh_and_exports(tmp_path, smollm2_dir):
     run_dir = tmp_path / "run"
     up = Up(run_dir, f"model.path={smollm2_dir}", f"learner.num_steps={NUM_STEPS}", "learner.eval_every=0",
-            "algorithm.max_staleness=0", "algorithm.drop_zero_advantage_groups=false", "learner.groups_per_step=2", "algorithm.group_size=4",
-            "rollout.max_tokens=64", "data.num_eval=8", "learner.lr=2e-5", f"checkpoint.every_n_steps={NUM_STEPS}",
-            config="examples/smollm2_grpo.yaml")
+            "algorithm.max_staleness=0", "algorithm.drop_zero_advantage_groups=false", "learner.groups_per_step=2",
+            "algorithm.group_size=4", "rollout.max_tokens=64", "data.num_eval=8", "learner.lr=2e-5",
+            f"checkpoint.every_n_steps={NUM_STEPS}", config="examples/smollm2_grpo.yaml")
     code = up.finish(timeout=540)
     assert code == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"

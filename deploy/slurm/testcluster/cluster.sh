@@ -20,6 +20,8 @@ DOCKER=docker
 PACKAGES=(munge slurmctld slurmd slurm-client procps)
 
 say() { echo "cluster: $*" >&2; }
+# shellcheck source=deploy/docker/build_replacing.sh
+. "$REPO/deploy/docker/build_replacing.sh"
 eval "$("$REPO/deploy/docker/stack.sh" engine)"
 
 compose() {
@@ -41,15 +43,8 @@ image() {
   "${get[@]}" >&2 2>/dev/null || { apt-get update -qq >&2 && "${get[@]}" >&2; }
   rm -rf "$HERE/debs/partial" "$HERE/debs/lock" "$work"
   say "building $RLMESH_SLURM_IMAGE from $RLMESH_IMAGE"
-  local before after
-  before=$($DOCKER image inspect -f '{{.Id}}' "$RLMESH_SLURM_IMAGE" 2>/dev/null || true)
-  DOCKER_BUILDKIT=0 $DOCKER build -q --build-arg RLMESH_IMAGE="$RLMESH_IMAGE" -t "$RLMESH_SLURM_IMAGE" "$HERE" >&2
-  # The previous node image (and with it a previous rlmesh image it was built on) would stay on disk
-  # untagged after each rebuild, ~4.5 GB each time. A container still using it keeps it (rmi refuses).
-  after=$($DOCKER image inspect -f '{{.Id}}' "$RLMESH_SLURM_IMAGE")
-  if [ -n "$before" ] && [ "$before" != "$after" ] && $DOCKER rmi "$before" >/dev/null 2>&1; then
-    say "removed the previous $RLMESH_SLURM_IMAGE (${before:7:12})"
-  fi
+  # The previous node image goes (and with it a previous rlmesh image it was built on).
+  build_replacing "$RLMESH_SLURM_IMAGE" --build-arg RLMESH_IMAGE="$RLMESH_IMAGE" "$HERE"
 }
 
 up() {
