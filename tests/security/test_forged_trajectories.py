@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -90,6 +92,12 @@ class Forger:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self.seen: dict[str, common_pb2.PromptGroup] = {}  # every prompt group seen, by id
+        self.fresh: queue.SimpleQueue[common_pb2.PromptGroup] = queue.SimpleQueue()  # seen, not yet handed out
+        self.stop = threading.Event()
+        # Prompts live on their stream only until a rollout server has answered them (tens of ms for
+        # the tiny model), so polling misses many; a blocking tail from the stream's start sees each.
+        self.tail = threading.Thread(target=self._tail, daemon=True)
+        self.tail.start()
         self.forged: dict[str, str] = {}  # group id -> expected reason
         self.cases: dict[str, str] = {}  # group id -> case name
         self.first: set[str] = set()  # real group ids forged before the rollout server published its copy
@@ -108,19 +116,27 @@ class Forger:
         self.entry_ids.append(entry_id.decode())
         return bool(published)
 
+    def _tail(self) -> None:
+        client, cursor = redis.Redis(connection_pool=self.client.connection_pool), "0-0"
+        while not self.stop.is_set():
+            for _, entries in client.xread({PROMPTS: cursor}, block=100) or []:
+                for entry_id, fields in entries:
+                    cursor = entry_id
+                    prompt = common_pb2.PromptGroup.FromString(fields[b"data"])
+                    self.seen[prompt.group_id] = prompt
+                    self.run_id = self.run_id or prompt.run_id
+                    self.fresh.put(prompt)
+
     def new_prompts(self) -> list[common_pb2.PromptGroup]:
+        """Prompt groups issued since the last call."""
         fresh = []
-        for _, fields in self.client.xrevrange(PROMPTS, count=256):
-            key = fields[b"key"].decode()
-            if key not in self.seen:
-                self.seen[key] = common_pb2.PromptGroup.FromString(fields[b"data"])
-                fresh.append(self.seen[key])
-                self.run_id = self.run_id or fresh[-1].run_id
+        while not self.fresh.empty():
+            fresh.append(self.fresh.get())
         return fresh
 
     def skip_issued(self) -> str:
-        """Mark every group issued so far as seen (its answer may be back already); the run id once a
-        prompt group has been seen ("" before: acked prompts are deleted, so the stream can be empty)."""
+        """Hand out nothing issued so far (its answer may be back already); the run id once a prompt
+        group has been seen ("" before)."""
         self.new_prompts()
         return self.run_id
 
@@ -244,6 +260,8 @@ def test_forged_trajectory_entries_are_dropped_with_reasons_and_the_run_learns(t
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+        forger.stop.set()
+        forger.tail.join(timeout=5)
         valkey.terminate()
 
 
