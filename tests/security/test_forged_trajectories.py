@@ -93,11 +93,6 @@ class Forger:
         self.client = client
         self.seen: dict[str, common_pb2.PromptGroup] = {}  # every prompt group seen, by id
         self.fresh: queue.SimpleQueue[common_pb2.PromptGroup] = queue.SimpleQueue()  # seen, not yet handed out
-        self.stop = threading.Event()
-        # Prompts live on their stream only until a rollout server has answered them (tens of ms for
-        # the tiny model), so polling misses many; a blocking tail from the stream's start sees each.
-        self.tail = threading.Thread(target=self._tail, daemon=True)
-        self.tail.start()
         self.forged: dict[str, str] = {}  # group id -> expected reason
         self.cases: dict[str, str] = {}  # group id -> case name
         self.first: set[str] = set()  # real group ids forged before the rollout server published its copy
@@ -105,6 +100,11 @@ class Forger:
         self.entry_ids: list[str] = []
         self.eval_forged: dict[str, int] = {}  # eval group id -> the round's version
         self.run_id = ""  # the run's id, from the first prompt group seen
+        self.stop = threading.Event()
+        # Prompts live on their stream only until a rollout server has answered them (tens of ms for
+        # the tiny model), so polling misses many; a blocking tail from the stream's start sees each.
+        self.tail = threading.Thread(target=self._tail, daemon=True)
+        self.tail.start()
 
     def add(self, key: str, data: bytes) -> bool:
         """Append a forged entry; whether the rollout server had published its copy under `key` before
