@@ -22,11 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def run(k: int, seed: int, steps: int, eval_every: int, extra: list[str], out: Path) -> dict:
+def run(k: int, seed: int, steps: int, eval_every: int, extra: list[str], out: Path,
+        config: str = "examples/arithmetic_grpo.yaml", label: str = "") -> dict:
     from rlmesh.learner.metrics import read_metrics
 
-    run_dir = out / f"k{k}-seed{seed}"
-    cmd = [sys.executable, "-m", "rlmesh.cli", "up", "-c", str(REPO / "examples/arithmetic_grpo.yaml"),
+    run_dir = out / f"{label}k{k}-seed{seed}"
+    cmd = [sys.executable, "-m", "rlmesh.cli", "up", "-c", str(REPO / config),
            "--run-dir", str(run_dir), "logging.progress=false", f"algorithm.max_staleness={k}", f"run.seed={seed}",
            f"learner.num_steps={steps}", f"learner.eval_every={eval_every}", *extra]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -42,7 +43,11 @@ def run(k: int, seed: int, steps: int, eval_every: int, extra: list[str], out: P
     first, last = train[0].get("rollout_busy_s", {}), train[-1].get("rollout_busy_s", {})
     span = train[-1]["time"] - train[0]["time"]
     rollout_idle = {gid: max(0.0, 1 - (last[gid] - first[gid]) / span) for gid in last if gid in first and span > 0}
-    return {"k": k, "seed": seed, "loop_s": loop_s, "evals": [(r["time"] - start, r["accuracy"]) for r in evals],
+    # Engine-busy seconds per trained step, all generators together (groups dropped by dynamic
+    # sampling included: they are part of what a trained step costs).
+    gen_per_step = sum(last[g] - first[g] for g in last if g in first) / max(len(train) - 1, 1)
+    return {"k": k, "seed": seed, "label": label, "loop_s": loop_s, "gen_busy_per_step_s": gen_per_step,
+            "median_broadcast_s": statistics.median(r.get("broadcast_s", 0.0) for r in train), "evals": [(r["time"] - start, r["accuracy"]) for r in evals],
             "final_accuracy": evals[-1]["accuracy"], "first_accuracy": evals[0]["accuracy"],
             "learner_idle_frac": max(0.0, 1 - busy / loop_s), "rollout_idle_frac": rollout_idle,
             "median_train_s": statistics.median(r["train_s"] for r in train),

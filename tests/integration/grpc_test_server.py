@@ -1,5 +1,5 @@
 """A tiny RewardService on the shared plumbing, for the gRPC plumbing tests: Score sleeps for
-metadata.sleep seconds before answering."""
+metadata.sleep seconds before answering. Args: TOKEN [PORT] (default: a free port, printed)."""
 
 import asyncio
 import sys
@@ -18,13 +18,13 @@ class SlowReward(reward_pb2_grpc.RewardServiceServicer):
         return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(id=i.id, reward=1.0) for i in request.items])
 
 
-async def main(token: str) -> None:
+async def main(token: str, port: int) -> None:
     server = await start_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, SlowReward(),
-                                  "rlmesh.v1.RewardService")], port=0, token=token)
+                                  "rlmesh.v1.RewardService")], port=port, token=token)
     print(server.port, flush=True)
     await server.serve_forever(grace_s=10.0)
     print("drained", flush=True)
 
 
 if __name__ == "__main__":
-    uvloop.run(main(sys.argv[1]))
+    uvloop.run(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0))

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,16 +21,24 @@ pytestmark = pytest.mark.integration
 TOKEN = "s3cret"
 
 
-@pytest.fixture
-def server():
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("grpc_test_server.py")), TOKEN],
+def _start_server(port: int = 0) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("grpc_test_server.py")), TOKEN, str(port)],
                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    port = int(proc.stdout.readline())
-    yield proc, f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def server():
+    proc, address = _start_server()
+    yield proc, address
+    _stop(proc)
 
 
 def _request(sleep: float = 0.0) -> reward_pb2.ScoreRequest:
@@ -104,3 +113,32 @@ async def test_wait_for_serving_returns_once_serving_and_names_what_it_waited_fo
     with pytest.raises(ExitedWhileStarting, match="nobody exited while starting"):
         await wait_for_serving("127.0.0.1:1", what="nobody", timeout_s=30, alive=lambda: False)
     assert time.monotonic() - t0 < 5, "a dead process is reported at once, not after the timeout"
+
+
+async def test_a_channel_reaches_a_peer_within_seconds_of_it_listening_after_a_long_absence():
+    """A rollout server dials its learner while the learner is still in SFT, for minutes. gRPC's own
+    reconnect backoff would grow to 120 s (after 17 s of refusals its next dial comes 7-13 s later);
+    the mesh's channels cap it at 2 s, so the first step is not held back once the learner listens."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    async with make_channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
+        stub_call = reward_pb2_grpc.RewardServiceStub(channel).Score
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 17:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub_call(_request(), timeout=1)
+            await asyncio.sleep(0.5)
+        proc, _ = _start_server(port)
+        try:
+            listening = time.monotonic()
+            while True:
+                try:
+                    await stub_call(_request(), timeout=1)
+                    break
+                except grpc.aio.AioRpcError:
+                    assert time.monotonic() - listening < 5, "the channel did not dial the peer again within 5 s"
+                    await asyncio.sleep(0.1)
+        finally:
+            _stop(proc)
