@@ -54,6 +54,12 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
     async def register_or_beat() -> None:
         nonlocal registered, interval_s
         if not registered:
+            if generator.engine is not None and generator.engine.errored:
+                # Dying (watch_health exits the server): registered again, it would be a member the
+                # learner's next weight-transfer group waits on until its timeout, after its
+                # restarted successor has registered.
+                await asyncio.sleep(1.0)
+                return
             if await generator.recover_from_lost_learner():
                 worker.ready.clear()
                 log.warning("the learner went away during a weight update; weights marked incomplete, "
