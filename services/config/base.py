@@ -1,9 +1,22 @@
-"""The base of every section of the run config: unknown keys are errors, and assignments are validated."""
+"""The base of every section of the run config: unknown keys are errors, and assignments are validated;
+and the field types more than one section uses."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _int_as_text(value: object) -> object:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+# A CPU core setting: a single core given on the command line (`rollout.cpu_cores=0`) parses as a YAML
+# int, taken as its text. CoreList: '1', '0-3' or '1-3,6', or 'auto' (not pinned).
+CoreText = Annotated[str, BeforeValidator(_int_as_text)]
+CoreList = Annotated[CoreText, StringConstraints(pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")]

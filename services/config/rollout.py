@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from rlmesh.services.config.base import Section
+from rlmesh.services.config.base import CoreText, Section
 
 
 class EpisodeSection(Section):
@@ -72,7 +72,7 @@ class RolloutSection(Section):
     """Reuse the KV of shared prompt prefixes (the n samples of a group, shared system prompts); the cache is reset at every weight update, so KV computed by old weights is never reused."""
     kv_cache_gib: int = Field(1, ge=1)
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    cpu_cores: str = "auto"
+    cpu_cores: CoreText = "auto"
     """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND): '0', '0-3' or 'auto'."""
     episode: EpisodeSection = EpisodeSection()
     """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""

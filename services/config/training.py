@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from rlmesh.services.config.base import Section
+from rlmesh.services.config.base import CoreList, Section
 
 
 class LoRASection(Section):
@@ -92,13 +92,9 @@ class LearnerSection(Section):
         return self
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the learner process."""
-    cpu_cores: str = Field("auto", pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")
+    cpu_cores: CoreList = "auto"
     """Cores the learner's processes are pinned to, e.g. '1' or '1-3,6' ('auto': not pinned). On a small machine, give vLLM (rollout.cpu_cores) and the learner different cores so generation and training overlap instead of sharing cores."""
 
-    @field_validator("cpu_cores", mode="before")
-    @classmethod
-    def _core_list_as_text(cls, value: object) -> object:
-        return str(value) if isinstance(value, int) else value  # `learner.cpu_cores=1` parses as YAML int
     min_generators: int = Field(1, ge=1)
     """Rollout servers that must have registered before the learner issues work."""
     reissue_malformed_after_s: float = Field(600.0, gt=0)

@@ -28,6 +28,13 @@ def test_dotted_overrides_apply_with_yaml_types():
     assert config.rollout.enforce_eager is False
 
 
+def test_a_core_given_as_a_number_on_the_command_line_is_a_core_list():
+    cfg = load_config(None, ["rollout.cpu_cores=0", "learner.cpu_cores=1"])
+    assert (cfg.rollout.cpu_cores, cfg.learner.cpu_cores) == ("0", "1")
+    with pytest.raises(ConfigError, match="learner.cpu_cores"):
+        load_config(None, ["learner.cpu_cores=first"])
+
+
 def test_unknown_key_names_field_and_allowed_keys():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["learner.lrr=1"])
