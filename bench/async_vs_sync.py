@@ -24,34 +24,42 @@ sys.path.insert(0, str(REPO))
 
 def run(k: int, seed: int, steps: int, eval_every: int, extra: list[str], out: Path,
         config: str = "examples/arithmetic_grpo.yaml", label: str = "") -> dict:
-    from rlmesh.learner.metrics import read_metrics
-
     run_dir = out / f"{label}k{k}-seed{seed}"
     cmd = [sys.executable, "-m", "rlmesh.cli", "up", "-c", str(REPO / config),
            "--run-dir", str(run_dir), "logging.progress=false", f"algorithm.max_staleness={k}", f"run.seed={seed}",
            f"learner.num_steps={steps}", f"learner.eval_every={eval_every}", *extra]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return {"k": k, "seed": seed, "label": label, **read_run(run_dir)}
+
+
+def read_run(run_dir: Path) -> dict:
+    """A finished run's timings and accuracies, from its metrics.jsonl."""
+    from rlmesh.learner.metrics import read_metrics
+
     rows = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     start, end = train[0]["time"] - train[0]["step_s"], train[-1]["time"]
     loop_s = end - start
     busy = sum(r["train_s"] + r.get("broadcast_s", 0.0) for r in train)
-    # Each rollout server's engine-busy clock, read at every weight update: its idle fraction over
-    # the same span (first to last step record).
-    first, last = train[0].get("rollout_busy_s", {}), train[-1].get("rollout_busy_s", {})
-    span = train[-1]["time"] - train[0]["time"]
+    # Each rollout server's engine-busy clock (sent with its heartbeats, so it may read 0 at the first
+    # step): its idle fraction over the span from the first step record where it reads, to the last.
+    i0 = next((i for i, r in enumerate(train) if any(r.get("rollout_busy_s", {}).values())), 0)
+    first, last = train[i0].get("rollout_busy_s", {}), train[-1].get("rollout_busy_s", {})
+    span = train[-1]["time"] - train[i0]["time"]
     rollout_idle = {gid: max(0.0, 1 - (last[gid] - first[gid]) / span) for gid in last if gid in first and span > 0}
-    # Engine-busy seconds per trained step, all generators together (groups dropped by dynamic
-    # sampling included: they are part of what a trained step costs).
-    gen_per_step = sum(last[g] - first[g] for g in last if g in first) / max(len(train) - 1, 1)
-    return {"k": k, "seed": seed, "label": label, "loop_s": loop_s, "gen_busy_per_step_s": gen_per_step,
-            "median_broadcast_s": statistics.median(r.get("broadcast_s", 0.0) for r in train), "evals": [(r["time"] - start, r["accuracy"]) for r in evals],
+    # Engine-busy seconds per trained step over that span, all generators together (groups dropped by
+    # dynamic sampling included: they are part of what a trained step costs).
+    gen_per_step = sum(last[g] - first[g] for g in last if g in first) / max(len(train) - 1 - i0, 1)
+    return {"loop_s": loop_s, "gen_busy_per_step_s": gen_per_step, "trained_tokens": sum(r["num_tokens"] for r in train),
+            "median_broadcast_s": statistics.median(r.get("broadcast_s", 0.0) for r in train),
+            "evals": [(r["time"] - start, r["accuracy"]) for r in evals],
             "final_accuracy": evals[-1]["accuracy"], "first_accuracy": evals[0]["accuracy"],
             "learner_idle_frac": max(0.0, 1 - busy / loop_s), "rollout_idle_frac": rollout_idle,
             "median_train_s": statistics.median(r["train_s"] for r in train),
-            "median_step_s": statistics.median(r["step_s"] for r in train)}
+            "median_step_s": statistics.median(r["step_s"] for r in train),
+            "mean_completion_tokens": statistics.mean(n for r in train for n in r.get("completion_tokens", [0]))}
 
 
 def main() -> None:

@@ -6,13 +6,15 @@ Placements (2 cores):
   shared  both cores to both tiers: vLLM's two OpenMP threads on cores 0-1, the learner on 0-1 with
           two torch threads; at k=0 only one phase runs at a time, so each phase has both cores
 
-Each run reports its RL loop time, median step and training time, the rollout engine's busy seconds per
+Each run reports its RL loop time and milliseconds per trained token (answers shrink as the model
+learns, so runs compare per token), median step and training time, the rollout engine's busy seconds per
 trained step (groups dropped by dynamic sampling included) and held-out accuracy first -> final. From
-those per-phase times it computes the step time each placement allows (the bound):
+each run's own per-phase times it computes the step time its placement allows (the bound):
   split,  k=0   gen(1 core) + train(1 core) + update      (the phases take turns)
   split,  k>=1  max(gen(1 core), train(1 core) + update)  (they overlap on their own cores)
   shared, k=0   gen(2 cores) + train(2 cores) + update
-  shared, k>=1  (gen(1 core) + train(1 core)) / 2 + update at best (two cores' work, perfectly packed)
+  shared, k>=1  (gen(1 core) + train(1 core)) / 2 + update at best (two cores' work, perfectly packed;
+                phases from the split runs)
 and prints measured ÷ bound for each run.
 
 Run: python bench/placement.py [--runs split:0,split:1,split:2,shared:0 --seed 0 --steps 6]"""
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -30,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.async_vs_sync import run  # noqa: E402
+from bench.async_vs_sync import read_run, run  # noqa: E402
 
 CONFIG = "examples/smollm2_grpo.yaml"
 PLACEMENTS = {
@@ -39,30 +42,21 @@ PLACEMENTS = {
 }
 
 
-def bounds(results: list[dict]) -> dict[str, float]:
-    """Per-phase seconds per step, as measured: generation and training on one core (split runs)
-    and on two (the shared k=0 run), and the weight update."""
-    split = [r for r in results if r["placement"] == "split"]
-    shared0 = [r for r in results if r["placement"] == "shared" and r["k"] == 0]
-    phases = {"update": statistics.median(r["median_broadcast_s"] for r in results)}
-    if split:
-        phases["gen1"] = statistics.median(r["gen_busy_per_step_s"] for r in split)
-        phases["train1"] = statistics.median(r["median_train_s"] for r in split)
-    if shared0:
-        phases["gen2"] = shared0[0]["gen_busy_per_step_s"]
-        phases["train2"] = shared0[0]["median_train_s"]
-    return phases
-
-
-def bound(placement: str, k: int, p: dict[str, float]) -> float | None:
-    u = p["update"]
-    if placement == "split" and "gen1" in p:
-        return p["gen1"] + p["train1"] + u if k == 0 else max(p["gen1"], p["train1"] + u)
-    if placement == "shared" and k == 0 and "gen2" in p:
-        return p["gen2"] + p["train2"] + u
-    if placement == "shared" and k > 0 and "gen1" in p:
-        return (p["gen1"] + p["train1"]) / 2 + u
-    return None
+def bound(r: dict, results: list[dict]) -> float | None:
+    """The step time run `r`'s placement allows, from per-phase seconds per step measured in the run
+    itself (generation: the engine's busy seconds per step; training: median train_s; the update:
+    median broadcast_s); a shared placement at k >= 1 cannot time its phases apart, so it takes them
+    from the split runs (one core each)."""
+    gen, train, u = r["gen_busy_per_step_s"], r["median_train_s"], r["median_broadcast_s"]
+    if r["placement"] == "split":
+        return gen + train + u if r["k"] == 0 else max(gen, train + u)
+    if r["k"] == 0:
+        return gen + train + u
+    split = [x for x in results if x["placement"] == "split"]
+    if not split:
+        return None
+    return (statistics.median(x["gen_busy_per_step_s"] for x in split)
+            + statistics.median(x["median_train_s"] for x in split)) / 2 + u
 
 
 def main() -> None:
@@ -73,8 +67,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--config", default=CONFIG)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--reread", metavar="DIR", help="report the runs already in DIR (a previous invocation's "
+                    "rlmesh-placement-* directory) instead of running")
     ap.add_argument("overrides", nargs="*", help="extra rlmesh overrides for every run")
     args = ap.parse_args()
+    if args.reread:
+        results = []
+        for run_dir in sorted(Path(args.reread).glob("*-k*-seed*"), key=lambda d: d.stat().st_mtime):
+            placement, k, seed = re.fullmatch(r"(\w+)-k(\d+)-seed(\d+)", run_dir.name).groups()
+            if not (run_dir / "summary.json").is_file():
+                continue  # not finished
+            results.append({"placement": placement, "k": int(k), "seed": int(seed), **read_run(run_dir)})
+        report(results)
+        return
     out = Path(tempfile.mkdtemp(prefix="rlmesh-placement-"))
     results = []
     for spec in args.runs.split(","):
@@ -92,23 +97,26 @@ def main() -> None:
         results.append(r)
         print(f"{placement} k={k}: loop {r['loop_s']:.0f} s, step {r['median_step_s']:.1f} s, "
               f"accuracy {r['first_accuracy']:.3f} -> {r['final_accuracy']:.3f}", flush=True)
-    phases = bounds(results)
-    print("\nmeasured per-step phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
-    print(f"{'placement':>9} {'k':>2} {'loop s':>7} {'step s':>7} {'bound s':>7} {'step/bound':>10} "
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": args.config, "seed": args.seed, "steps": args.steps,
+                                               "runs": results}, indent=2))
+
+
+def report(results: list[dict]) -> None:
+    print(f"\n{'placement':>9} {'k':>2} {'loop s':>7} {'ms/token':>8} {'step s':>7} {'bound s':>7} {'step/bound':>10} "
           f"{'train s':>7} {'gen busy/step':>13} {'learner idle':>12} {'acc first->final':>16}")
     for r in results:
-        b = bound(r["placement"], r["k"], phases)
+        b = bound(r, results)
         r["bound_step_s"] = b
+        r["ms_per_trained_token"] = 1000 * r["loop_s"] / max(r["trained_tokens"], 1)
         b_txt, ratio_txt = (f"{b:.1f}", f"{r['median_step_s'] / b:.2f}") if b else ("-", "-")
-        print(f"{r['placement']:>9} {r['k']:>2} {r['loop_s']:7.0f} {r['median_step_s']:7.1f} "
+        print(f"{r['placement']:>9} {r['k']:>2} {r['loop_s']:7.0f} {r['ms_per_trained_token']:8.0f} {r['median_step_s']:7.1f} "
               f"{b_txt:>7} {ratio_txt:>10} "
               f"{r['median_train_s']:7.1f} {r['gen_busy_per_step_s']:13.1f} {r['learner_idle_frac']:12.2f} "
               f"{r['first_accuracy']:7.3f} -> {r['final_accuracy']:.3f}")
-    best = min(results, key=lambda r: r["median_step_s"])
-    print(f"\nfastest step: {best['placement']} k={best['k']} ({best['median_step_s']:.1f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": args.config, "seed": args.seed, "steps": args.steps,
-                                               "phases": phases, "runs": results}, indent=2))
+    best = min(results, key=lambda r: r["ms_per_trained_token"])
+    print(f"\nfastest per trained token: {best['placement']} k={best['k']} ({best['ms_per_trained_token']:.0f} ms)")
 
 
 if __name__ == "__main__":
