@@ -44,10 +44,10 @@ PLACEMENTS = {
 
 def bound(r: dict, results: list[dict]) -> float | None:
     """The step time run `r`'s placement allows, from per-phase seconds per step measured in the run
-    itself (generation: the engine's busy seconds per step; training: median train_s; the update:
-    median broadcast_s); a shared placement at k >= 1 cannot time its phases apart, so it takes them
+    itself, over the steps after the engine's busy clock first reads (generation: its busy seconds per
+    step; training and the update: their mean); a shared placement at k >= 1 cannot time its phases apart, so it takes them
     from the split runs (one core each)."""
-    gen, train, u = r["gen_busy_per_step_s"], r["median_train_s"], r["median_broadcast_s"]
+    gen, train, u = r["gen_busy_per_step_s"], r["span_train_s"], r["span_broadcast_s"]
     if r["placement"] == "split":
         return gen + train + u if r["k"] == 0 else max(gen, train + u)
     if r["k"] == 0:
@@ -56,7 +56,7 @@ def bound(r: dict, results: list[dict]) -> float | None:
     if not split:
         return None
     return (statistics.median(x["gen_busy_per_step_s"] for x in split)
-            + statistics.median(x["median_train_s"] for x in split)) / 2 + u
+            + statistics.median(x["span_train_s"] for x in split)) / 2 + u
 
 
 def main() -> None:
@@ -110,10 +110,10 @@ def report(results: list[dict]) -> None:
         b = bound(r, results)
         r["bound_step_s"] = b
         r["ms_per_trained_token"] = 1000 * r["loop_s"] / max(r["trained_tokens"], 1)
-        b_txt, ratio_txt = (f"{b:.1f}", f"{r['median_step_s'] / b:.2f}") if b else ("-", "-")
-        print(f"{r['placement']:>9} {r['k']:>2} {r['loop_s']:7.0f} {r['ms_per_trained_token']:8.0f} {r['median_step_s']:7.1f} "
+        b_txt, ratio_txt = (f"{b:.1f}", f"{r['span_step_s'] / b:.2f}") if b else ("-", "-")
+        print(f"{r['placement']:>9} {r['k']:>2} {r['loop_s']:7.0f} {r['ms_per_trained_token']:8.0f} {r['span_step_s']:7.1f} "
               f"{b_txt:>7} {ratio_txt:>10} "
-              f"{r['median_train_s']:7.1f} {r['gen_busy_per_step_s']:13.1f} {r['learner_idle_frac']:12.2f} "
+              f"{r['span_train_s']:7.1f} {r['gen_busy_per_step_s']:13.1f} {r['learner_idle_frac']:12.2f} "
               f"{r['first_accuracy']:7.3f} -> {r['final_accuracy']:.3f}")
     best = min(results, key=lambda r: r["ms_per_trained_token"])
     print(f"\nfastest per trained token: {best['placement']} k={best['k']} ({best['ms_per_trained_token']:.0f} ms)")
