@@ -54,8 +54,8 @@ def read_run(run_dir: Path) -> dict:
     gen_per_step = sum(last[g] - first[g] for g in last if g in first) / max(len(train) - 1 - i0, 1)
     # The steps of that span, for per-phase sums that compare with its generation figure.
     span_steps = train[i0 + 1:] or train
-    return {"loop_s": loop_s, "gen_busy_per_step_s": gen_per_step, "trained_tokens": sum(r["num_tokens"] for r in train),
-            "median_broadcast_s": statistics.median(r.get("broadcast_s", 0.0) for r in train),
+    return {"loop_s": loop_s, "gen_busy_per_step_s": gen_per_step,
+            "trained_tokens": sum(r["num_tokens"] for r in train),
             "evals": [(r["time"] - start, r["accuracy"]) for r in evals],
             "final_accuracy": evals[-1]["accuracy"], "first_accuracy": evals[0]["accuracy"],
             "learner_idle_frac": max(0.0, 1 - busy / loop_s), "rollout_idle_frac": rollout_idle,
@@ -63,8 +63,7 @@ def read_run(run_dir: Path) -> dict:
             "median_step_s": statistics.median(r["step_s"] for r in train),
             "span_step_s": statistics.mean(r["step_s"] for r in span_steps),
             "span_train_s": statistics.mean(r["train_s"] for r in span_steps),
-            "span_broadcast_s": statistics.mean(r.get("broadcast_s", 0.0) for r in span_steps),
-            "mean_completion_tokens": statistics.mean(n for r in train for n in r.get("completion_tokens", [0]))}
+            "span_broadcast_s": statistics.mean(r.get("broadcast_s", 0.0) for r in span_steps)}
 
 
 def main() -> None:

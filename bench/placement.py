@@ -44,9 +44,9 @@ PLACEMENTS = {
 
 def bound(r: dict, results: list[dict]) -> float | None:
     """The step time run `r`'s placement allows, from per-phase seconds per step measured in the run
-    itself, over the steps after the engine's busy clock first reads (generation: its busy seconds per
-    step; training and the update: their mean); a shared placement at k >= 1 cannot time its phases apart, so it takes them
-    from the split runs (one core each)."""
+    itself, over the steps after the engine's busy clock first reads (generation: its busy seconds
+    per step; training and the update: their mean). A shared placement at k >= 1 cannot time its
+    phases apart, so it takes them from the split runs (one core each)."""
     gen, train, u = r["gen_busy_per_step_s"], r["span_train_s"], r["span_broadcast_s"]
     if r["placement"] == "split":
         return gen + train + u if r["k"] == 0 else max(gen, train + u)

@@ -47,6 +47,10 @@ def model_path(config: RunConfig) -> str:
     return config.model.path
 
 
+def engine_dead(generator: VLLMGenerator) -> bool:
+    return generator.engine is not None and generator.engine.errored
+
+
 async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_id: str, address: str,
                           worker: RolloutWorker, generator: VLLMGenerator, log: logging.Logger) -> None:
     registered, interval_s = False, HEARTBEAT_S
@@ -54,7 +58,7 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
     async def register_or_beat() -> None:
         nonlocal registered, interval_s
         if not registered:
-            if generator.engine is not None and generator.engine.errored:
+            if engine_dead(generator):
                 # Dying (watch_health exits the server): registered again, it would be a member the
                 # learner's next weight-transfer group waits on until its timeout, after its
                 # restarted successor has registered.
@@ -103,7 +107,7 @@ async def watch_health(server, generator: VLLMGenerator, worker: RolloutWorker, 
     ready = True
     while True:
         await asyncio.sleep(1.0)
-        if generator.engine is not None and generator.engine.errored:
+        if engine_dead(generator):
             await server.set_serving(False)
             worker.ready.clear()
             raise EngineDeadError(f"vLLM engine died ({generator.engine.dead_error!r}); exiting so that a "

@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.services.grpc_client import make_channel
+from rlmesh.services.ports import free_port
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cret"
@@ -119,10 +119,7 @@ async def test_a_channel_reaches_a_peer_within_seconds_of_it_listening_after_a_l
     """A rollout server dials its learner while the learner is still in SFT, for minutes. gRPC's own
     reconnect backoff would grow to 120 s (after 17 s of refusals its next dial comes 7-13 s later);
     the mesh's channels cap it at 2 s, so the first step is not held back once the learner listens."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     async with make_channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
         stub_call = reward_pb2_grpc.RewardServiceStub(channel).Score
         t0 = time.monotonic()
