@@ -29,7 +29,6 @@ def prepare_model(config: RunConfig, workdir: Path) -> str:
 
 
 def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None = None) -> Path:
-    import torch
     from transformers import AutoTokenizer
 
     from rlmesh.learner.train.objectives.sft import SFTObjective
@@ -37,14 +36,14 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(config.learner.torch_threads)
     model_dir = prepare_model(config, output.parent)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(config.run.seed)
     objective = SFTObjective(ChatCodec(tokenizer), rng, config.sft.label_noise)
     # The warm start makes the model that RL then adapts: every weight trains, whatever learner.lora says.
     full = config.model_copy(update={"learner": config.learner.model_copy(update={"lora": LoRASection()})})
-    trainer = Trainer(full, model_dir, objective, lr=config.sft.lr, pad_id=tokenizer.pad_token_id)
+    trainer = Trainer(full, model_dir, objective, lr=config.sft.lr, pad_id=tokenizer.pad_token_id,
+                      threads=config.sft.torch_threads)
     train, _ = load_dataset(config.data, config.run.seed)
     metrics = stage_metrics(config, output.parent, "sft", "sft_metrics.jsonl")
     try:

