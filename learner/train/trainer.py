@@ -36,7 +36,7 @@ class Trainer:
                  lr: float | None = None, pad_id: int = 0, threads: int | None = None) -> None:
         """`objective` defaults to the RL learner's (the GRPO family member `algorithm.name` names);
         the offline recipes pass theirs (SFT, DPO). `threads`: torch threads, learner.torch_threads
-        unless given; 0 is one per core this process may use once pinned."""
+        when None; 0 is one per core this process may use once pinned."""
         pin_to_cores(config.learner.cpu_cores, "learner.cpu_cores")
         threads = config.learner.torch_threads if threads is None else threads
         torch.set_num_threads(threads or len(os.sched_getaffinity(0)))

@@ -116,8 +116,8 @@ class SFTSection(Section):
     """Steps of linear warm-up under `cosine` (0: none)."""
     lr_final_ratio: float = Field(0.0, ge=0, le=1)
     """The cosine schedule's last rate, as a fraction of sft.lr."""
-    torch_threads: int = Field(0, ge=0)
-    """torch threads of the warm start (0: one per core the learner may use, learner.cpu_cores or every core). In `rlmesh up` it runs before the rollout servers have anything to generate, so the cores it takes are otherwise idle; 2 threads made the tool-use demo's warm start 1.6x faster than 1 on 2 cores."""
+    torch_threads: int | None = Field(None, ge=0)
+    """torch threads of the warm start: unset, learner.torch_threads; 0, one per core the learner may use (learner.cpu_cores, or every core). More threads pay when the warm start is long: in `rlmesh up` the rollout servers start vLLM beside it and then idle until it ends, so a short one is hidden behind vLLM's start anyway, and more threads there only slow that start (2 CPU cores: the tool-use demo's 400-step warm start, 0.57 s a step on one thread, ran 1.6x faster on two; the arithmetic demo's 300 short steps made its whole run 89 -> 111 s on two)."""
     label_noise: float = Field(0.0, ge=0, le=1)
     """Fraction of SFT targets made wrong so the warm start leaves room for RL: a single answer is replaced by the example's `rejected` answer where it has one (data.rejected_key), else gets a stray trailing "!"; a multi-turn demonstration is replaced by its example's shortcut (the calculator's: answer at once without the tool, repeating the first number)."""
 
