@@ -13,6 +13,7 @@
 #
 # Environment: RLMESH_DOCKER_DIR (where a dockerd started here keeps its state, default
 # /tmp/rlmesh-docker), PYTHON (the pip that builds the wheelhouse, default .venv/bin/python),
+# RLMESH_WHEELS_PORT (where the build reads the wheelhouse, on the engine's bridge; default 38771),
 # COMPOSE_PROJECT_NAME (default rlmesh), and any compose variable (RLMESH_TOKEN, RLMESH_IMAGE...).
 # The compose file requires RLMESH_TOKEN and RLMESH_QUEUE_PASSWORD: when unset, `up` makes random
 # ones (kept only in the containers' environment; `down` needs none).
@@ -77,15 +78,15 @@ debian_image() {
     | $DOCKER import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' - "$tag" >/dev/null
 }
 
-# A build whose dependency layer is not cached writes ~10 GB (the build stage's virtualenv, then the
-# image's copy); with less free, it fails half-way with pip's "No space left on device".
+# A build whose dependency layer is not cached writes ~5 GB (the virtualenv's layer, with pip's
+# temporary files beside it); with less free, it fails half-way with pip's "No space left on device".
 check_space() {
   local root free_gb
   root=$($DOCKER info -f '{{.DockerRootDir}}' 2>/dev/null || true)
   [ -d "$root" ] || return 0  # a remote engine: its disk is not ours to measure
   free_gb=$(( $(df -Pk "$root" | awk 'NR==2 {print $4}') / 1048576 ))
-  if [ "$free_gb" -lt 12 ]; then
-    say "warning: $free_gb GB free under $root; an uncached build needs ~12 GB. Free some with" \
+  if [ "$free_gb" -lt 8 ]; then
+    say "warning: $free_gb GB free under $root; an uncached build needs ~8 GB. Free some with" \
         "'docker image prune' (untagged images) or 'docker rmi' of old rlmesh images"
   fi
 }
@@ -111,12 +112,54 @@ images() {
     cat "$log" >&2; say "pip download failed (log above, also in $log)"; exit 1
   fi
   local image=${RLMESH_IMAGE:-rlmesh:cpu}
-  # The build stage is tagged too (<image>-build): it is the cache of the ~5 GB dependency layer, and
-  # untagged, each change of pyproject.toml left the previous one behind for good.
-  say "building $image (offline: base $BASE_IMAGE, wheels from the wheelhouse)"
-  local args=(-f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg OFFLINE=1)
-  build_replacing "$image-build" "${args[@]}" --target build .
-  build_replacing "$image" "${args[@]}" .
+  say "building $image (offline: base $BASE_IMAGE, wheels served from the wheelhouse)"
+  serve_wheels
+  build_replacing "$image" -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    --build-arg WHEELS_URL="$WHEELS_URL" --build-arg WHEELS_DIGEST="$(wheels_digest)" .
+  stop_wheels
+  # Until 2026-11-27 the image was built in two stages, the first tagged <image>-build (~5.5 GB).
+  if has_image "$image-build" && $DOCKER rmi "$image-build" >/dev/null 2>&1; then
+    say "removed $image-build, the build stage older versions of this script kept"
+  fi
+}
+
+# The wheelhouse over HTTP on the engine's bridge gateway, for the build's RUN steps (the classic
+# builder cannot mount a host directory; a COPY would put ~1 GB of wheels in a layer that a second
+# stage then had to leave out by copying the ~4 GB virtualenv). It listens only on that interface, for
+# the build's length, and answers only GET/HEAD of the index and of the package files in it
+# (serve_wheels.py). A fixed port keeps the build's cache keys stable (the URL is a build argument);
+# RLMESH_WHEELS_PORT picks another.
+serve_wheels() {
+  local gateway port=${RLMESH_WHEELS_PORT:-38771}
+  gateway=$($DOCKER network inspect bridge -f '{{(index .IPAM.Config 0).Gateway}}' 2>/dev/null || true)
+  if [ -z "$gateway" ]; then
+    say "the engine has no bridge network to serve the wheelhouse on; build the image with a registry and"
+    say "PyPI instead (deploy/docker/Dockerfile says how)"; exit 1
+  fi
+  "$PYTHON" deploy/docker/serve_wheels.py deploy/docker/wheelhouse "$gateway" "$port" \
+    >"${TMPDIR:-/tmp}/rlmesh-wheels-http.log" 2>&1 &
+  WHEELS_PID=$!
+  trap stop_wheels EXIT
+  WHEELS_URL="http://$gateway:$port/"
+  local tries=0
+  until "$PYTHON" -c "import urllib.request as u; u.urlopen('$WHEELS_URL', timeout=2)" 2>/dev/null; do
+    if ! kill -0 "$WHEELS_PID" 2>/dev/null || [ $((tries += 1)) -gt 50 ]; then
+      cat "${TMPDIR:-/tmp}/rlmesh-wheels-http.log" >&2
+      say "could not serve the wheelhouse on $WHEELS_URL: port in use (set RLMESH_WHEELS_PORT), or the gateway"
+      say "is not an address of this machine (a remote engine: build there, with a registry and PyPI)"; exit 1
+    fi
+    sleep 0.2
+  done
+}
+
+stop_wheels() {
+  if [ -n "${WHEELS_PID:-}" ]; then kill "$WHEELS_PID" 2>/dev/null || true; wait "$WHEELS_PID" 2>/dev/null || true; fi
+  WHEELS_PID=
+}
+
+# The wheel set's name: a different set of files gets a different digest, and a fresh dependency layer.
+wheels_digest() {
+  (cd deploy/docker/wheelhouse && ls -1 | sort | sha256sum | cut -c1-16)
 }
 
 compose() {
