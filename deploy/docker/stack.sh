@@ -93,17 +93,20 @@ check_space() {
 
 images() {
   check_space
-  has_image "$BASE_IMAGE" || debian_image "$BASE_IMAGE" python3,python3-venv,python3-dev,libgomp1,libnuma1,g++,ca-certificates
+  # The Valkey and Prometheus images build beside the rest (mmdebstrap mostly downloads and unpacks);
+  # the base image is needed first, by the rlmesh build.
+  local pids=()
   # Redis from Debian under Valkey's command names, so the compose file's commands work with both
   # this image and valkey/valkey. Valkey is a fork of Redis 7.2 and speaks the same protocol.
-  has_image "$VALKEY_IMAGE" || debian_image "$VALKEY_IMAGE" redis-server,redis-tools \
+  has_image "$VALKEY_IMAGE" || { debian_image "$VALKEY_IMAGE" redis-server,redis-tools \
     --customize-hook='ln -s /usr/bin/redis-server "$1/usr/local/bin/valkey-server"' \
     --customize-hook='ln -s /usr/bin/redis-cli "$1/usr/local/bin/valkey-cli"' \
-    --customize-hook='mkdir -p "$1/data"' --customize-hook='chown 999:999 "$1/data"'
+    --customize-hook='mkdir -p "$1/data"' --customize-hook='chown 999:999 "$1/data"' & pids+=($!); }
   # Debian's Prometheus server for the compose file's `observability` profile. It runs as nobody
   # (65534, as prom/prometheus does), whose /prometheus a fresh named volume copies, owner included.
-  has_image "$PROMETHEUS_IMAGE" || debian_image "$PROMETHEUS_IMAGE" prometheus \
-    --customize-hook='mkdir -p "$1/prometheus"' --customize-hook='chown 65534:65534 "$1/prometheus"'
+  has_image "$PROMETHEUS_IMAGE" || { debian_image "$PROMETHEUS_IMAGE" prometheus \
+    --customize-hook='mkdir -p "$1/prometheus"' --customize-hook='chown 65534:65534 "$1/prometheus"' & pids+=($!); }
+  has_image "$BASE_IMAGE" || debian_image "$BASE_IMAGE" python3,python3-venv,python3-dev,libgomp1,libnuma1,g++,ca-certificates
   say "wheelhouse: pip download of rlmesh's locked requirements into deploy/docker/wheelhouse"
   local log="${TMPDIR:-/tmp}/rlmesh-wheelhouse.log"  # not in the build context: it would bust the cache
   # Debian's Python is 3.11.2: redis wants async-timeout below 3.11.3; pip here resolves for the host's.
@@ -117,6 +120,9 @@ images() {
   build_replacing "$image" -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-arg WHEELS_URL="$WHEELS_URL" --build-arg WHEELS_DIGEST="$(wheels_digest)" .
   stop_wheels
+  for pid in "${pids[@]}"; do
+    wait "$pid" || { say "building the Valkey or Prometheus image failed (its mmdebstrap output is above)"; exit 1; }
+  done
   # Until 2026-11-27 the image was built in two stages, the first tagged <image>-build (~5.5 GB).
   if has_image "$image-build" && $DOCKER rmi "$image-build" >/dev/null 2>&1; then
     say "removed $image-build, the build stage older versions of this script kept"
