@@ -130,9 +130,8 @@ def test_threads_are_the_learners_unless_given_and_zero_is_one_per_usable_core(t
     0 takes one thread per core the (pinned) process may use."""
     before = torch.get_num_threads()
     try:
-        make_trainer(tiny_model_dir)
-        assert torch.get_num_threads() == 1
         trainer = make_trainer(tiny_model_dir)
+        assert torch.get_num_threads() == 1
         type(trainer)(trainer.config, str(tiny_model_dir), pad_id=0, threads=0)
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
         type(trainer)(trainer.config, str(tiny_model_dir), pad_id=0, threads=3)
