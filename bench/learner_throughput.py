@@ -16,7 +16,8 @@ real model (--model DIR, e.g. models/smollm2-135m-instruct; --dtype float32|bflo
           loop and the learner's step, 1 rank, on that model (bfloat16: FSDP2's bf16 compute with
           float32 master weights vs autocast in the plain loop), and each one's training FLOP/s
           (6 x parameters x tokens) as a fraction of this CPU's measured matmul peak on one thread
-          in that dtype (MFU).
+          in that dtype (MFU); with --shared-prompt-row-tokens N, also the learner's step with each
+          prompt once per row (learner.shared_prompt_row_tokens=N) and its ratio to the step above.
 Prints training tokens/s (prompt + completion tokens through forward/backward) of each and the
 ratios. Run: python bench/learner_throughput.py [--hidden 256 --layers 4 --groups 16]
 Real model, the demo's batch shape: python bench/learner_throughput.py --model models/smollm2-135m-instruct \
@@ -201,6 +202,8 @@ def parse(argv=None):
     p.add_argument("--long-tail", action="store_true",
                    help="only the long-tail comparison: padded vs token-budget micro-batches")
     p.add_argument("--max-tokens-per-micro-batch", type=int, default=4096, help="the budget of --long-tail")
+    p.add_argument("--shared-prompt-row-tokens", type=int, default=0, metavar="N",
+                   help="real model: also time the learner step with learner.shared_prompt_row_tokens=N")
     p.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="an rlmesh config override for both sides, e.g. algorithm.recompute_old_logprobs=true")
@@ -274,19 +277,29 @@ def real_model(model_dir: Path, args) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         plain = time_plain_pytorch(model_dir, args)
         one = torchrun_learner(model_dir, 1, args, Path(tmp_name))
+        n = args.shared_prompt_row_tokens
+        shared = torchrun_learner(model_dir, 1, args, Path(tmp_name), (f"learner.shared_prompt_row_tokens={n}",)) if n else None
     print(f"model: {model_dir.name} ({params / 1e6:.1f} M parameters), {args.dtype}; batch {args.groups}x{args.n} "
           f"sequences (prompt {args.prompt_len}, completions {args.completion_len // 2}..{args.completion_len}), "
           f"micro-batch {args.micro_batch_size}; one thread each")
     print(f"this CPU's {args.dtype} matmul peak, one thread: {peak / 1e9:.1f} GFLOP/s")
     print(f"{'path':38s} {'step s':>8s} {'train tok/s':>12s} {'GFLOP/s':>9s} {'MFU':>6s}")
     result = {"model": str(model_dir), "dtype": args.dtype, "parameters": params, "peak_flops_1thread": peak}
-    for key, name, r in (("plain", "plain PyTorch loop", plain), ("learner_1rank", "rlmesh learner step, 1 rank", one)):
+    rows = [("plain", "plain PyTorch loop", plain), ("learner_1rank", "rlmesh learner step, 1 rank", one)]
+    if shared:
+        rows.append(("learner_shared_prompts", f"  the same, shared prompts (N={n})", shared))
+    for key, name, r in rows:
         flops = 6 * params * r["tokens_per_s"]
         r.update(flops_per_s=flops, mfu=flops / peak)
         result[key] = r
         print(f"{name:38s} {r['step_s']:8.2f} {r['tokens_per_s']:12.0f} {flops / 1e9:9.1f} {r['mfu']:6.1%}")
     result["ratio_vs_plain"] = one["tokens_per_s"] / plain["tokens_per_s"]
     print(f"ratio (learner 1 rank / plain PyTorch tokens/s): {result['ratio_vs_plain']:.2f}   (target >= 0.9)")
+    if shared:
+        result["shared_prompts_over_learner"] = shared["tokens_per_s"] / one["tokens_per_s"]
+        print(f"shared prompts / one row per sample, the learner's training tokens/s (the same tokens trained): "
+              f"{result['shared_prompts_over_learner']:.2f} (its GFLOP/s and MFU count each prompt once per sample, "
+              "as the other rows do: work saved, not done)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

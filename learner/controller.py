@@ -222,7 +222,10 @@ class Controller:
     async def train(self) -> dict:
         cfg = self.config
         await self.wait_for_generators()
-        before = await self.evaluate()
+        # The first evaluation runs beside the first step's generation (its prompts go out first);
+        # the first weight update waits for its last answer, so every one comes from this version.
+        first = await self.evaluator.start(self.version) if cfg.learner.eval_overlap else None
+        before = None if first is not None else await self.evaluate()
         ready: Arrivals = []
         t_last = time.monotonic()
         while self.version < cfg.learner.num_steps:
@@ -249,6 +252,8 @@ class Controller:
             await self.reader.admit_during(step, self.version, ready, self.held_back, refill=self._refill)
             train_metrics, t_trained = await step
             train_s = t_trained - t_step
+            if first is not None and first.record is None:
+                await self.evaluator.finish(self.version, self.held_back, self._read, first)
             self.version += 1
             end_ns = time.time_ns()
             for g in groups:  # each group's trace ends with the step that trained it
@@ -279,7 +284,9 @@ class Controller:
                     await self.evaluator.start(self.version)  # finishes as its groups come back
                 else:
                     await self.evaluate()
-        after = await self.evaluate()
+        after = await self.evaluate()  # also completes the first round, where no step ran
+        if first is not None:
+            before = first.record
         checkpoint = await self._checkpoint()
         # Groups still in flight when training ends were never trained on; leave them pending.
         return await self._summary(before, after, checkpoint)

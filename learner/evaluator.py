@@ -141,17 +141,35 @@ class Evaluator:
         """Evaluate at `version` and wait for it (and any round still open), reading arrivals with
         `read(version)`; train groups that arrive meanwhile are appended to `held_back`."""
         rnd = await self.start(version)
-        while self.rounds:
+        await self.finish(version, held_back, read)
+        assert rnd.record is not None
+        return rnd.record
+
+    async def finish(self, version: int, held_back: Arrivals, read: Callable[[int], Awaitable[Arrivals]],
+                     rnd: Round | None = None) -> None:
+        """Wait until `rnd` (None: every open round) is complete: eval groups already read and held
+        back are offered first, then arrivals are read with `read(version)`; train groups stay in, or
+        are appended to, `held_back`."""
+        def done() -> bool:
+            return not self.rounds if rnd is None else rnd.record is not None
+
+        kept = []
+        for entry, group in held_back:
+            if group.prompt.split == "train":
+                kept.append((entry, group))
+            else:
+                await self.offer(entry, group, version)
+        held_back[:] = kept
+        t0 = time.monotonic()
+        while not done():
             for entry, group in await read(version):
                 if group.prompt.split == "train":
                     held_back.append((entry, group))
                 else:
                     await self.offer(entry, group, version)
-            if time.monotonic() - rnd.t0 > self.timeout_s:
+            if not done() and time.monotonic() - t0 > self.timeout_s:
                 raise TimeoutError(f"{len(self.rounds)} eval groups not back after {self.timeout_s:.0f}s; "
                                    "is a rollout server running?")
-        assert rnd.record is not None
-        return rnd.record
 
     def _finish(self, rnd: Round) -> dict:
         rnd.record = self._record(rnd)

@@ -37,6 +37,26 @@ class MicroBatch:
     num_seqs_in_step: float = 1.0
     # Filler that keeps every rank's collective count equal; contributes nothing to the loss.
     is_padding: bool = False
+    # The same rows with each prompt once (`pack_shared`); None: the forward runs on input_ids_BT.
+    shared: SharedPrompts | None = None
+
+
+@dataclass
+class SharedPrompts:
+    """A micro-batch's forward input with each prompt written once: a row holds a prompt and then
+    completions of it, each completion attending to the prompt and causally to itself only, with
+    positions restarting after the prompt, so every completion token sees what it would see in a row
+    of its own. `src_N` picks, from the logits kept (positions `keep_K` of each row, flattened
+    [R, K]), the logit that predicts each completion token (`targets_N`); `dst_N` is where that
+    logprob goes in the [B, T-1] layout of the micro-batch's own tensors (flattened)."""
+
+    input_ids_RL: torch.Tensor
+    position_ids_RL: torch.Tensor
+    mask_R1LL: torch.Tensor  # bool, True: may attend
+    keep_K: torch.Tensor
+    src_N: torch.Tensor
+    dst_N: torch.Tensor
+    targets_N: torch.Tensor
 
 
 def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
@@ -57,6 +77,67 @@ def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
             behaviour[i, n_p - 1 : n_p - 1 + n_c] = torch.tensor(s.behaviour_logprobs)
     advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
     return MicroBatch(input_ids, attention, loss_mask, behaviour, advantages)
+
+
+def shared_rows(seqs: list[Sequence], max_row_tokens: int) -> list[list[int]]:
+    """Indices into `seqs`, as packed rows: sequences with the same prompt, in order of first
+    appearance, one prompt and as many of its completions as fit in `max_row_tokens` per row (a
+    completion that does not fit beside another gets a row of its own)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(seqs):
+        by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+    rows: list[list[int]] = []
+    for prompt, members in by_prompt.items():
+        row: list[int] = []
+        length = len(prompt)
+        for i in members:
+            n = len(seqs[i].completion_ids)
+            if row and length + n > max_row_tokens:
+                rows.append(row)
+                row, length = [], len(prompt)
+            row.append(i)
+            length += n
+        rows.append(row)
+    return rows
+
+
+def pack_shared(seqs: list[Sequence], rows: list[list[int]], pad_id: int) -> MicroBatch:
+    """`pack(seqs)`, plus the forward input with one copy of each row's prompt (`SharedPrompts`);
+    `rows` index `seqs`, every row's sequences sharing one prompt."""
+    micro = pack(seqs, pad_id)
+    t = micro.input_ids_BT.shape[1] - 1  # the [B, T-1] layout's width
+    lengths = [len(seqs[r[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in r) for r in rows]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    # Padding positions attend to themselves only (a query with nothing to attend to gives NaN).
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1, 1)
+    keep_from = min(len(seqs[r[0]].prompt_ids) for r in rows) - 1
+    src, dst, targets = [], [], []
+    for r, members in enumerate(rows):
+        prompt = seqs[members[0]].prompt_ids
+        n_p = len(prompt)
+        ids[r, :n_p] = torch.tensor(prompt)
+        positions[r, :n_p] = torch.arange(n_p)
+        mask[r, 0, :n_p, :n_p] = torch.ones(n_p, n_p, dtype=torch.bool).tril()
+        start = n_p
+        for i in members:
+            c = seqs[i].completion_ids
+            n_c = len(c)
+            end = start + n_c
+            ids[r, start:end] = torch.tensor(c)
+            positions[r, start:end] = torch.arange(n_p, n_p + n_c)
+            mask[r, 0, start:end, :n_p] = True
+            mask[r, 0, start:end, start:end] = torch.ones(n_c, n_c, dtype=torch.bool).tril()
+            # Completion token j is predicted by the prompt's last token (j = 0) or by token j - 1.
+            predictors = [n_p - 1] + list(range(start, end - 1))
+            src += [r * (width - keep_from) + q - keep_from for q in predictors]
+            dst += [i * t + n_p - 1 + j for j in range(n_c)]
+            targets += c
+            start = end
+    micro.shared = SharedPrompts(ids, positions, mask, torch.arange(keep_from, width), torch.tensor(src),
+                                 torch.tensor(dst), torch.tensor(targets, dtype=torch.long))
+    return micro
 
 
 def padding_micro(pad_id: int) -> MicroBatch:
@@ -81,7 +162,7 @@ def budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world_size: int = 1,
-              max_tokens: int = 0) -> list[MicroBatch]:
+              max_tokens: int = 0, shared_row_tokens: int = 0) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step over `seqs` (the whole step's batch).
 
     Ranks take contiguous equal shares; every rank gets the same number of micro-batches (padded
@@ -89,24 +170,40 @@ def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world
     gradient over ranks equals the single-rank step's. `size` sequences per micro-batch in order,
     or with `max_tokens` > 0, micro-batches by padded-token budget over length-sorted sequences
     (`budget_groups`); every rank plans every rank's share (all see the whole batch), so all agree
-    on the count without communicating."""
+    on the count without communicating. With `shared_row_tokens` > 0 the units are shared-prompt
+    rows (`shared_rows`, `pack_shared`) instead of sequences: `size` counts a row's sequences and
+    `max_tokens` its packed length."""
     num_tokens = float(sum(sum(1 for m in s.loss_mask if m) for s in seqs)) or 1.0
     per_rank = -(-len(seqs) // world_size)
 
-    def share(r: int) -> list[list[int]]:
+    def share(r: int) -> list[list[list[int]]]:
+        """Rank r's micro-batches, each a list of rows of indices into `seqs` (without shared
+        prompts a row is one sequence)."""
         indices = list(range(r * per_rank, min((r + 1) * per_rank, len(seqs))))
-        if not max_tokens:
-            return [indices[i : i + size] for i in range(0, len(indices), size)]
-        lengths = [len(seqs[i].prompt_ids) + len(seqs[i].completion_ids) for i in indices]
-        return [[indices[j] for j in group] for group in budget_groups(lengths, max_tokens)]
+        if shared_row_tokens:
+            rows = [[indices[j] for j in row] for row in shared_rows([seqs[i] for i in indices], shared_row_tokens)]
+        else:
+            rows = [[i] for i in indices]
+        if max_tokens:
+            lengths = [len(seqs[row[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in row) for row in rows]
+            return [[rows[j] for j in group] for group in budget_groups(lengths, max_tokens)]
+        micros: list[list[list[int]]] = []
+        for row in rows:  # in order, up to `size` sequences each (a larger row alone)
+            if micros and sum(map(len, micros[-1])) + len(row) <= size:
+                micros[-1].append(row)
+            else:
+                micros.append([row])
+        return micros
 
-    if max_tokens:
-        num_micro = max(max(len(share(r)) for r in range(world_size)), 1)
-    else:
-        num_micro = max(-(-per_rank // size), 1)
+    num_micro = max(max(len(share(r)) for r in range(world_size)), 1)
     micros = []
-    for group in share(rank):
-        micro = pack([seqs[i] for i in group], pad_id)
+    for rows in share(rank):
+        group = [i for row in rows for i in row]
+        if shared_row_tokens:
+            position = {i: b for b, i in enumerate(group)}
+            micro = pack_shared([seqs[i] for i in group], [[position[i] for i in row] for row in rows], pad_id)
+        else:
+            micro = pack([seqs[i] for i in group], pad_id)
         micro.seq_index_B = group
         micros.append(micro)
     micros += [padding_micro(pad_id) for _ in range(num_micro - len(micros))]

@@ -95,7 +95,8 @@ class Trainer:
     def _step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
         return run_step(self.backend, self.objective, seqs, micro_batch_size=self.config.learner.micro_batch_size,
                         pad_id=self.pad_id, lr=lr,
-                        max_tokens_per_micro_batch=self.config.learner.max_tokens_per_micro_batch)
+                        max_tokens_per_micro_batch=self.config.learner.max_tokens_per_micro_batch,
+                        shared_prompt_row_tokens=self.config.learner.shared_prompt_row_tokens)
 
     def _save(self, path: str) -> None:
         self.backend.save_checkpoint(Path(path) / "dcp")

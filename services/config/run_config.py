@@ -86,6 +86,11 @@ class RunConfig(Section):
                 f"{self.learner.backend.type} backend does not build one yet (missing: a frozen, sharded copy of the "
                 "starting model and its logprobs pass); use learner.backend.type=fsdp2 or algorithm.kl.coef=0"
             )
+        if self.learner.shared_prompt_row_tokens and self.learner.backend.type != "fsdp2":
+            raise ValueError(
+                f"learner.shared_prompt_row_tokens={self.learner.shared_prompt_row_tokens} packs each prompt once "
+                f"with its completions under a custom attention mask, which the {self.learner.backend.type} backend "
+                "does not build; use learner.backend.type=fsdp2 or learner.shared_prompt_row_tokens=0")
         if self.learner.lora.rank and self.learner.backend.type != "fsdp2":
             raise ValueError(
                 f"learner.lora.rank={self.learner.lora.rank} needs the fsdp2 backend: LoRA through peft is not built "

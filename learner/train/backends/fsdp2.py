@@ -59,8 +59,10 @@ class FSDP2Backend:
         return model
 
     def _logprobs(self, micro: MicroBatch, temperature: float, model: torch.nn.Module | None = None) -> torch.Tensor:
-        input_ids = micro.input_ids_BT.to(self.device)
         model = self.model if model is None else model
+        if micro.shared is not None:
+            return self._shared_logprobs(micro, temperature, model)
+        input_ids = micro.input_ids_BT.to(self.device)
         logits_BTV = model(input_ids=input_ids, attention_mask=micro.attention_mask_BT.to(self.device)).logits
         logits_BTV = logits_BTV[:, :-1].float() / temperature
         targets_BT = input_ids[:, 1:]
@@ -68,6 +70,19 @@ class FSDP2Backend:
         return -torch.nn.functional.cross_entropy(
             logits_BTV.transpose(1, 2), targets_BT, reduction="none"
         )
+
+    def _shared_logprobs(self, micro: MicroBatch, temperature: float, model: torch.nn.Module) -> torch.Tensor:
+        """The same [B, T-1] logprobs from the rows with each prompt once (`SharedPrompts`): a
+        custom attention mask and restarted positions, logits only from the first completion's
+        predictor on (the rest of the prompt predicts nothing that is trained)."""
+        sp = micro.shared
+        d = self.device
+        logits_RKV = model(input_ids=sp.input_ids_RL.to(d), attention_mask=sp.mask_R1LL.to(d),
+                           position_ids=sp.position_ids_RL.to(d), logits_to_keep=sp.keep_K.to(d)).logits
+        logits_NV = logits_RKV.reshape(-1, logits_RKV.shape[-1])[sp.src_N.to(d)].float() / temperature
+        logprobs_N = -torch.nn.functional.cross_entropy(logits_NV, sp.targets_N.to(d), reduction="none")
+        b, t = micro.input_ids_BT.shape
+        return logprobs_N.new_zeros(b * (t - 1)).index_put((sp.dst_N.to(d),), logprobs_N).view(b, t - 1)
 
     @torch.no_grad()
     def compute_logprobs(self, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:

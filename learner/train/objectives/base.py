@@ -40,13 +40,14 @@ class Objective(Protocol):
 
 
 def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence], *, micro_batch_size: int,
-             pad_id: int, lr: float, max_tokens_per_micro_batch: int = 0) -> dict[str, float]:
+             pad_id: int, lr: float, max_tokens_per_micro_batch: int = 0,
+             shared_prompt_row_tokens: int = 0) -> dict[str, float]:
     """One optimizer step over the whole batch `seqs`; called on every rank with the same `seqs`."""
     from rlmesh.learner.train.batch import plan_step
 
     # Shard by data-parallel rank: tensor/pipeline-parallel peers must see the same micro-batches.
     micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size,
-                       max_tokens=max_tokens_per_micro_batch)
+                       max_tokens=max_tokens_per_micro_batch, shared_row_tokens=shared_prompt_row_tokens)
     if objective.needs_old_logprobs:
         for m in micros:
             m.old_logprobs_BT = backend.compute_logprobs(m, objective.temperature)

@@ -101,3 +101,30 @@ def test_a_round_started_beside_training_finishes_when_its_last_group_is_offered
     record = asyncio.run(scenario())
     assert written == [record] and not evaluator.rounds and acked == ["s", "a", "b"]
     assert record["version"] == 7 and record["generated_at_versions"] == [8, 8] and record["accuracy"] == 0.5
+
+
+def test_finishing_offers_the_eval_groups_held_back_during_a_step_and_keeps_the_train_ones():
+    """An eval group read while a step trained waits in `held_back`: waiting for its round offers it
+    (else the wait would read on until its timeout); train groups stay held back for the next fill."""
+    issuer = Issuer([sample(1.0, "done", 1.0), sample(0.0, "done", 0.0)])
+    evaluator = Evaluator([EXAMPLE] * 2, issuer, SimpleNamespace(ack=lambda entry_id: asyncio.sleep(0)),
+                          SimpleNamespace(write=lambda record: None), check=lambda group, version: "", timeout_s=2.0)
+    train = common_pb2.TrajectoryGroup(group_id="t", prompt=common_pb2.PromptGroup(split="train"))
+    reads = []
+
+    async def read(version):
+        reads.append(version)
+        late = issuer.published[1:]
+        issuer.published[1:] = []
+        return [(SimpleNamespace(id=g.group_id), g) for g in late] + [(SimpleNamespace(id="t2"), train)]
+
+    async def scenario():
+        rnd = await evaluator.start(0)
+        held_back = [(SimpleNamespace(id="t1"), train), (SimpleNamespace(id="g0"), issuer.published[0])]
+        await evaluator.finish(0, held_back, read, rnd)
+        return rnd, held_back
+
+    rnd, held_back = asyncio.run(scenario())
+    assert rnd.record["accuracy"] == 0.5 and not evaluator.rounds
+    assert reads == [0]  # one read brought the last answer
+    assert [e.id for e, _ in held_back] == ["t1", "t2"]
