@@ -153,20 +153,18 @@ class Evaluator:
         def done() -> bool:
             return not self.rounds if rnd is None else rnd.record is not None
 
-        kept = []
-        for entry, group in held_back:
-            if group.prompt.split == "train":
-                kept.append((entry, group))
-            else:
-                await self.offer(entry, group, version)
-        held_back[:] = kept
-        t0 = time.monotonic()
-        while not done():
-            for entry, group in await read(version):
+        async def route(arrivals: Arrivals) -> None:
+            for entry, group in arrivals:
                 if group.prompt.split == "train":
                     held_back.append((entry, group))
                 else:
                     await self.offer(entry, group, version)
+
+        arrivals, held_back[:] = list(held_back), []
+        await route(arrivals)
+        t0 = time.monotonic()
+        while not done():
+            await route(await read(version))
             if not done() and time.monotonic() - t0 > self.timeout_s:
                 raise TimeoutError(f"{len(self.rounds)} eval groups not back after {self.timeout_s:.0f}s; "
                                    "is a rollout server running?")

@@ -79,6 +79,11 @@ def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
     return MicroBatch(input_ids, attention, loss_mask, behaviour, advantages)
 
 
+def row_length(seqs: list[Sequence], row: list[int]) -> int:
+    """Tokens of a row of `seqs` sharing one prompt: the prompt once, then every completion."""
+    return len(seqs[row[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in row)
+
+
 def shared_rows(seqs: list[Sequence], max_row_tokens: int) -> list[list[int]]:
     """Indices into `seqs`, as packed rows: sequences with the same prompt, in order of first
     appearance, one prompt and as many of its completions as fit in `max_row_tokens` per row (a
@@ -106,8 +111,7 @@ def pack_shared(seqs: list[Sequence], rows: list[list[int]], pad_id: int) -> Mic
     `rows` index `seqs`, every row's sequences sharing one prompt."""
     micro = pack(seqs, pad_id)
     t = micro.input_ids_BT.shape[1] - 1  # the [B, T-1] layout's width
-    lengths = [len(seqs[r[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in r) for r in rows]
-    width = max(lengths)
+    width = max(row_length(seqs, r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     # Padding positions attend to themselves only (a query with nothing to attend to gives NaN).
@@ -185,7 +189,7 @@ def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world
         else:
             rows = [[i] for i in indices]
         if max_tokens:
-            lengths = [len(seqs[row[0]].prompt_ids) + sum(len(seqs[i].completion_ids) for i in row) for row in rows]
+            lengths = [row_length(seqs, row) for row in rows]
             return [[rows[j] for j in group] for group in budget_groups(lengths, max_tokens)]
         micros: list[list[list[int]]] = []
         for row in rows:  # in order, up to `size` sequences each (a larger row alone)
@@ -195,9 +199,10 @@ def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world
                 micros.append([row])
         return micros
 
-    num_micro = max(max(len(share(r)) for r in range(world_size)), 1)
+    plans = [share(r) for r in range(world_size)]
+    num_micro = max(max(map(len, plans)), 1)
     micros = []
-    for rows in share(rank):
+    for rows in plans[rank]:
         group = [i for row in rows for i in row]
         if shared_row_tokens:
             position = {i: b for b, i in enumerate(group)}
