@@ -107,6 +107,11 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
          on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
     from rlmesh.services.config import HFModelSection
 
+    # A run directory used again (`--run-dir`: the learner resumes from its newest checkpoint) holds
+    # the earlier processes' rows: only rows written from here on are shown, and the bar follows the
+    # version (a resumed learner goes back to its checkpoint's).
+    metrics = _Tail(run_dir / "metrics.jsonl", skip_existing=True)
+
     _check_model_path(config)
     resolved = config.model_copy(deep=True)
     _pass_secrets(mesh, config, resolved, run_dir)
@@ -163,7 +168,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
 
     _wait_serving(mesh, config.network, {"reward": reward_port, "learner": learner_port})
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
-    return _watch(mesh, learner, config, run_dir, on_row)
+    return _watch(mesh, learner, config, run_dir, on_row, metrics)
 
 
 def _wait_prepared(mesh: Mesh, prep: Service, config: RunConfig, done: Callable[[], bool], what: str) -> None:
@@ -268,10 +273,14 @@ def tqdm_write(text: str) -> None:
 
 
 class _Tail:
-    """The rows appended to a JSONL file since the last call (a line being written waits for the next)."""
+    """The rows appended to a JSONL file since the last call (a line being written waits for the next);
+    with `skip_existing`, only those appended after this was made (a run directory used again)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, skip_existing: bool = False) -> None:
         self.path, self.offset = path, 0
+        if skip_existing and path.exists():
+            data = path.read_bytes()
+            self.offset = data.rfind(b"\n") + 1
 
     def rows(self) -> list[dict[str, Any]]:
         try:
@@ -292,12 +301,12 @@ class _Tail:
 
 
 def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
-           on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
+           on_row: Callable[[dict[str, Any]], None] | None = None, metrics: _Tail | None = None) -> int:
     from tqdm import tqdm
 
     bar = tqdm(total=config.learner.num_steps, desc="GRPO", unit="step", disable=not config.logging.progress,
                dynamic_ncols=True)
-    metrics = _Tail(run_dir / "metrics.jsonl")
+    metrics = metrics or _Tail(run_dir / "metrics.jsonl")
     # The learner waits for callbacks to see each step: read often then.
     poll_s = 0.05 if on_row is not None else 1.0
     while True:
@@ -312,7 +321,7 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
             return 1
         for r in metrics.rows():
             if r.get("kind") == "train":
-                bar.update(1)
+                bar.update(r["version"] - bar.n)
                 bar.set_postfix(reward=f"{r['reward_mean']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
                                 stale=r["staleness_max"])
             elif r.get("kind") == "eval":

@@ -105,6 +105,21 @@ def surviving_lineage(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
+def current_rows(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The `kind` rows ("train" or "eval") of the run as it stands, by version. A learner that resumes
+    from a checkpoint at version v writes versions after v again: for train rows, one at or below the
+    last one's version supersedes every earlier row from its version on (their training was lost);
+    for an evaluation, the last record of a version stands."""
+    if kind != "train":
+        return sorted({r["version"]: r for r in rows if r.get("kind") == kind}.values(), key=lambda r: r["version"])
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        if row.get("kind") == kind:
+            kept = [r for r in kept if r["version"] < row["version"]]
+            kept.append(row)
+    return kept
+
+
 def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
     import matplotlib
 
@@ -112,8 +127,7 @@ def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    train, evals = current_rows(rows, "train"), current_rows(rows, "eval")
     if not train:
         return None
     lengths = [(r["version"], r["completion_tokens"]) for r in train if r.get("completion_tokens")]

@@ -308,7 +308,13 @@ def test_the_launcher_reads_complete_new_rows_once_and_skips_a_torn_one(tmp_path
     with path.open("a") as f:
         f.write('2}\n{"kind": "tr' + '{"c": 3}\n{"d": 4}\n')  # a writer killed mid-line, then restarted
     assert tail.rows() == [{"b": 2}, {"d": 4}]
-    assert tail.rows() == []
+    # A run directory used again: the rows already there (and a torn last one) are not shown again.
+    again = _Tail(path, skip_existing=True)
+    assert again.rows() == []
+    with path.open("a") as f:
+        f.write('{"e": 5}\n')
+    assert again.rows() == [{"e": 5}] and tail.rows() == [{"e": 5}]
+    assert tail.rows() == again.rows() == []  # each row once
 
 
 # --- the package root --------------------------------------------------------------------------

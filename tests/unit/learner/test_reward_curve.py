@@ -4,7 +4,7 @@ import json
 
 from PIL import Image
 
-from rlmesh.learner.metrics import plot_reward_curve
+from rlmesh.learner.metrics import current_rows, plot_reward_curve
 
 
 def _write(path, rows):
@@ -27,3 +27,17 @@ def test_the_curve_has_a_completion_length_panel_when_lengths_are_recorded(tmp_p
 def test_no_train_rows_no_curve(tmp_path):
     _write(tmp_path / "metrics.jsonl", [{"kind": "eval", "version": 0, "accuracy": 0.1}])
     assert plot_reward_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png") is None
+
+
+def test_a_resumed_run_is_drawn_from_the_rows_that_stand():
+    """Resumed from the checkpoint at version 2 after steps 3 and 4 were lost: those rows are superseded."""
+    first = [{"kind": "train", "version": v, "reward_mean": 0.1} for v in (1, 2, 3, 4)]
+    first += [{"kind": "eval", "version": 0, "accuracy": 0.1}, {"kind": "eval", "version": 2, "accuracy": 0.2}]
+    again = [{"kind": "eval", "version": 2, "accuracy": 0.25}]
+    again += [{"kind": "train", "version": v, "reward_mean": 0.5} for v in (3, 4, 5)]
+    rows = first + again
+    assert [(r["version"], r["reward_mean"]) for r in current_rows(rows, "train")] == [
+        (1, 0.1), (2, 0.1), (3, 0.5), (4, 0.5), (5, 0.5)]
+    assert [(r["version"], r["accuracy"]) for r in current_rows(rows, "eval")] == [(0, 0.1), (2, 0.25)]
+    # A resumed process that dies before re-training step 4 leaves no row of the lost step 4.
+    assert [r["version"] for r in current_rows(first + again[:2], "train")] == [1, 2, 3]
