@@ -7,7 +7,11 @@ measured: the same G groups through the real mesh path: prompt stream (Valkey) -
 Prints generated tokens/s of each and their ratio. Run: python bench/rollout_throughput.py
 Real model (--model DIR): the demo's prompts (examples/smollm2_grpo.yaml's data, its prompt template
 and `math` environment), its sampling (temperature 0.7, --max-tokens 192) and --dtype, e.g.
-python bench/rollout_throughput.py --model models/smollm2-135m-instruct --groups 16 --max-tokens 192"""
+python bench/rollout_throughput.py --model models/smollm2-135m-instruct --groups 16 --max-tokens 192
+--prefix-caching BLOCK: both sides run vLLM with prefix caching and BLOCK-token KV blocks (the demo's
+rollout.enable_prefix_caching and rollout.block_size); the raw side starts a group's samples together,
+the rollout server starts the rest of a group once its first sample is prefilled (so they reuse the
+prompt's KV), which is what the ratio then measures."""
 
 from __future__ import annotations
 
@@ -42,13 +46,16 @@ def demo_items(count: int) -> list[tuple[str, str, str]]:
 
 
 async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, dtype: str = "float32",
-                   temperature: float = 1.0, max_model_len: int = 256) -> tuple[int, float]:
+                   temperature: float = 1.0, max_model_len: int = 256,
+                   block_size: int | None = None) -> tuple[int, float]:
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), dtype=dtype, enforce_eager=True,
-                                                       max_model_len=max_model_len, enable_prefix_caching=False,
+                                                       max_model_len=max_model_len,
+                                                       enable_prefix_caching=block_size is not None,
+                                                       **({"block_size": block_size} if block_size else {}),
                                                        disable_log_stats=True))
     params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -116,6 +123,8 @@ def main() -> None:
     parser.add_argument("--model", help="an HF model directory (the demo's prompts and sampling) instead of the tiny one")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM's dtype, both sides")
     parser.add_argument("--temperature", type=float, default=None, help="default 1.0 (tiny), 0.7 (--model)")
+    parser.add_argument("--prefix-caching", type=int, metavar="BLOCK", default=None,
+                        help="both sides with vLLM prefix caching and BLOCK-token KV blocks (CPU: a multiple of 32)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -137,8 +146,10 @@ def main() -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for content, _, _ in items]
     raw_tokens, raw_s = asyncio.run(raw_vllm(model_dir, prompts, args.n, args.max_tokens, args.dtype, temperature,
-                                             max_len))
+                                             max_len, args.prefix_caching))
     rollout = {"dtype": args.dtype, "temperature": temperature, "max_model_len": max_len}
+    if args.prefix_caching:
+        rollout.update(enable_prefix_caching=True, block_size=args.prefix_caching)
     mesh_tokens, mesh_s = asyncio.run(mesh(model_dir, args.groups, args.n, args.max_tokens, tmp, rollout, items=items))
     raw_tps, mesh_tps = raw_tokens / raw_s, mesh_tokens / mesh_s
     print(f"\n{'path':<34}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
@@ -146,7 +157,8 @@ def main() -> None:
     print(f"{'rollout server via queue + reward':<34}{mesh_tokens:>10}{mesh_s:>10.2f}{mesh_tps:>12.0f}")
     print(f"ratio (rollout server / raw vLLM): {mesh_tps / raw_tps:.2f}  "
           f"[{model_dir.name}, {args.dtype}, {args.groups} groups x {args.n} samples, max_tokens {args.max_tokens}, "
-          f"temperature {temperature}]")
+          f"temperature {temperature}"
+          + (f", prefix caching, {args.prefix_caching}-token blocks" if args.prefix_caching else "") + "]")
     if args.json:
         import json
 

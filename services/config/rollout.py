@@ -69,7 +69,9 @@ class RolloutSection(Section):
     enforce_eager: bool = True
     """Skip torch.compile / graphs (much faster start-up on CPU)."""
     enable_prefix_caching: bool = False
-    """Reuse the KV of shared prompt prefixes (the n samples of a group, shared system prompts); the cache is reset at every weight update, so KV computed by old weights is never reused."""
+    """Reuse the KV of shared prompt prefixes (the n samples of a group, shared system prompts); the cache is reset at every weight update, so KV computed by old weights is never reused. On, a group's first sample is prefilled before the others start, so they reuse its prompt's KV (vLLM caches only full blocks: see block_size)."""
+    block_size: int | None = Field(None, ge=1)
+    """Tokens per KV-cache block (vLLM's default where unset: 128 on CPU, 16 on GPU; CPU needs a multiple of 32). Prefix caching reuses full blocks only: a block smaller than the prompt lets a group's samples share it."""
     kv_cache_gib: int = Field(1, ge=1)
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_cores: CoreText = "auto"

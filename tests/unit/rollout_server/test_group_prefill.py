@@ -1,0 +1,80 @@
+"""A group's samples share its prompt's prefill when prefix caching is on: the first sample starts
+alone and the others once its first token is out (vLLM caches a block only once it is computed, so
+samples started together would each compute the whole prompt). A fake engine stands in for vLLM and
+records when each request starts; the KV reuse itself is vLLM's (bench/rollout_throughput.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from rlmesh.rollout_server.generator import VLLMGenerator
+from rlmesh.services.config import RolloutSection
+from rlmesh.v1 import common_pb2
+
+
+class FakeEngine:
+    """Streams a request's tokens one event-loop turn apart; logs (request index, event) in order."""
+
+    def __init__(self, fail_lead: bool = False) -> None:
+        self.events: list[tuple[int, str]] = []
+        self.fail_lead = fail_lead
+        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=128))
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        index = int(request_id.split("-")[1])
+        self.events.append((index, "start"))
+        await asyncio.sleep(0)
+        if self.fail_lead and index == 0:
+            raise RuntimeError("engine died during the prefill")
+        ids = []
+        for tok in (7, 8, 9):
+            await asyncio.sleep(0)
+            ids.append(tok)
+            self.events.append((index, f"token {len(ids)}"))
+            lps = [{t: SimpleNamespace(logprob=-0.5)} for t in ids]
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(ids), logprobs=lps, text="x" * len(ids),
+                                                           finish_reason="length" if len(ids) == 3 else None)])
+
+
+def generator(engine: FakeEngine, **rollout) -> VLLMGenerator:
+    gen = VLLMGenerator("model", RolloutSection(**rollout), 0, "gloo")
+    gen.engine = engine
+    return gen
+
+
+def group(n: int, prompt_len: int) -> common_pb2.PromptGroup:
+    return common_pb2.PromptGroup(group_id="g", n=n, prompt_tokens=common_pb2.TokenSequence(
+        token_ids=list(range(1, prompt_len + 1))))
+
+
+async def test_the_rest_of_a_group_starts_after_the_first_samples_prefill():
+    engine = FakeEngine()
+    prompt, samples = await generator(engine, enable_prefix_caching=True, block_size=32).generate_group(group(4, 62))
+    starts = [i for i, e in engine.events if e == "start"]
+    assert starts == [0, 1, 2, 3]
+    first_token = engine.events.index((0, "token 1"))
+    assert all(engine.events.index((i, "start")) > first_token for i in (1, 2, 3)), engine.events
+    assert [s.index for s in samples] == [0, 1, 2, 3]
+    assert all(list(s.completion.token_ids) == [7, 8, 9] and list(s.logprobs) == [-0.5] * 3 for s in samples)
+    assert prompt == list(range(1, 63))
+
+
+@pytest.mark.parametrize("rollout,prompt_len", [
+    ({"enable_prefix_caching": False, "block_size": 32}, 62),  # nothing is cached: no reason to wait
+    ({"enable_prefix_caching": True, "block_size": 64}, 62),   # no full block to share
+    ({"enable_prefix_caching": True}, 62),                      # the engine's block (128 here) is longer than the prompt
+])
+async def test_samples_start_together_where_nothing_can_be_shared(rollout, prompt_len):
+    engine = FakeEngine()
+    await generator(engine, **rollout).generate_group(group(4, prompt_len))
+    assert [e for _, e in engine.events[:4]] == ["start"] * 4, engine.events
+
+
+async def test_a_first_sample_that_fails_before_its_first_token_fails_the_group_alone():
+    engine = FakeEngine(fail_lead=True)
+    with pytest.raises(RuntimeError, match="engine died"):
+        await generator(engine, enable_prefix_caching=True, block_size=32).generate_group(group(4, 62))
+    assert engine.events == [(0, "start")]
