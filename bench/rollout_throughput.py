@@ -47,7 +47,7 @@ def demo_items(count: int) -> list[tuple[str, str, str]]:
 
 async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, dtype: str = "float32",
                    temperature: float = 1.0, max_model_len: int = 256,
-                   block_size: int | None = None) -> tuple[int, float]:
+                   block_size: int | None = None, warm_up: list[list[int]] | None = None) -> tuple[int, float]:
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -66,7 +66,8 @@ async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens
             final = out
         return len(final.outputs[0].token_ids)
 
-    await asyncio.gather(*(one(p) for p in prompts[:8]))  # warm-up
+    # Warm up on prompts the measured round does not send (with prefix caching they would be cached).
+    await asyncio.gather(*(one(p) for p in (warm_up or prompts[:8])))
     t0 = time.monotonic()
     counts = await asyncio.gather(*(one(p) for p in prompts for _ in range(n)))
     elapsed = time.monotonic() - t0
@@ -91,8 +92,8 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
 
         sent = items or tiny_items(num_groups)
 
-        async def run_round(count: int) -> int:
-            for i in range(count):
+        async def run_round(count: int, first: int = 0) -> int:
+            for i in range(first, first + count):
                 content, env, answer = sent[i % len(sent)]
                 g = common_pb2.PromptGroup(group_id=uuid.uuid4().hex, env_name=env, n=n,
                                            messages=[common_pb2.ChatMessage(role="user", content=content)])
@@ -109,7 +110,7 @@ async def mesh(model_dir: Path, num_groups: int, n: int, max_tokens: int, tmp: P
                     await trajectories.ack(e.id)
             return tokens
 
-        await run_round(8)  # warm-up
+        await run_round(8, num_groups)  # warm-up, on prompts the measured round does not send
         t0 = time.monotonic()
         tokens = await run_round(num_groups)
         return tokens, time.monotonic() - t0
@@ -137,16 +138,16 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="rlmesh-bench-"))
     if args.model:
-        model_dir, items, max_len = Path(args.model).resolve(), demo_items(args.groups), 512
+        model_dir, items, max_len = Path(args.model).resolve(), demo_items(args.groups + 8), 512
         temperature = 0.7 if args.temperature is None else args.temperature
     else:
-        model_dir, items, max_len = write_tiny_model(TinyModelSection(), tmp / "model"), tiny_items(args.groups), 256
+        model_dir, items, max_len = write_tiny_model(TinyModelSection(), tmp / "model"), tiny_items(args.groups + 8), 256
         temperature = 1.0 if args.temperature is None else args.temperature
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for content, _, _ in items]
-    raw_tokens, raw_s = asyncio.run(raw_vllm(model_dir, prompts, args.n, args.max_tokens, args.dtype, temperature,
-                                             max_len, args.prefix_caching))
+    raw_tokens, raw_s = asyncio.run(raw_vllm(model_dir, prompts[:args.groups], args.n, args.max_tokens, args.dtype,
+                                             temperature, max_len, args.prefix_caching, prompts[args.groups:]))
     rollout = {"dtype": args.dtype, "temperature": temperature, "max_model_len": max_len}
     if args.prefix_caching:
         rollout.update(enable_prefix_caching=True, block_size=args.prefix_caching)
