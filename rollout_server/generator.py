@@ -325,9 +325,10 @@ class VLLMGenerator:
 
     def shares_prefill(self, n: int, prompt_len: int) -> bool:
         """Whether a group's samples after the first wait for its prefill: only where the cache can
-        hand them at least one full block of the prompt (vLLM's block, 128 tokens on CPU unless set)."""
-        block = self.cfg.block_size or (self.engine.vllm_config.cache_config.block_size if self.engine else 0)
-        return self.cfg.enable_prefix_caching and n > 1 and bool(block) and prompt_len >= block
+        hand them at least one full block of the prompt (the engine's block: rollout.block_size, or
+        vLLM's default, 128 tokens on CPU)."""
+        return (self.cfg.enable_prefix_caching and n > 1
+                and prompt_len >= self.engine.vllm_config.cache_config.block_size)
 
     # --- weight-transfer control plane (mirrors vLLM's) --------------------------------------
 

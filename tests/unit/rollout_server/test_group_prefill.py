@@ -18,10 +18,10 @@ from rlmesh.v1 import common_pb2
 class FakeEngine:
     """Streams a request's tokens one event-loop turn apart; logs (request index, event) in order."""
 
-    def __init__(self, fail_lead: bool = False) -> None:
+    def __init__(self, block_size: int, fail_lead: bool = False) -> None:
         self.events: list[tuple[int, str]] = []
         self.fail_lead = fail_lead
-        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=128))
+        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size))
 
     async def generate(self, prompt, params, request_id, lora_request=None):
         index = int(request_id.split("-")[1])
@@ -39,10 +39,12 @@ class FakeEngine:
                                                            finish_reason="length" if len(ids) == 3 else None)])
 
 
-def generator(engine: FakeEngine, **rollout) -> VLLMGenerator:
+def generator(**rollout) -> tuple[VLLMGenerator, FakeEngine]:
+    """A generator on a fake engine whose block is what vLLM-CPU's would be: rollout.block_size, else 128."""
+    fail_lead = rollout.pop("fail_lead", False)
     gen = VLLMGenerator("model", RolloutSection(**rollout), 0, "gloo")
-    gen.engine = engine
-    return gen
+    gen.engine = FakeEngine(gen.cfg.block_size or 128, fail_lead)
+    return gen, gen.engine
 
 
 def group(n: int, prompt_len: int) -> common_pb2.PromptGroup:
@@ -51,8 +53,8 @@ def group(n: int, prompt_len: int) -> common_pb2.PromptGroup:
 
 
 async def test_the_rest_of_a_group_starts_after_the_first_samples_prefill():
-    engine = FakeEngine()
-    prompt, samples = await generator(engine, enable_prefix_caching=True, block_size=32).generate_group(group(4, 62))
+    gen, engine = generator(enable_prefix_caching=True, block_size=32)
+    prompt, samples = await gen.generate_group(group(4, 62))
     starts = [i for i, e in engine.events if e == "start"]
     assert starts == [0, 1, 2, 3]
     first_token = engine.events.index((0, "token 1"))
@@ -68,13 +70,13 @@ async def test_the_rest_of_a_group_starts_after_the_first_samples_prefill():
     ({"enable_prefix_caching": True}, 62),                      # the engine's block (128 here) is longer than the prompt
 ])
 async def test_samples_start_together_where_nothing_can_be_shared(rollout, prompt_len):
-    engine = FakeEngine()
-    await generator(engine, **rollout).generate_group(group(4, prompt_len))
+    gen, engine = generator(**rollout)
+    await gen.generate_group(group(4, prompt_len))
     assert [e for _, e in engine.events[:4]] == ["start"] * 4, engine.events
 
 
 async def test_a_first_sample_that_fails_before_its_first_token_fails_the_group_alone():
-    engine = FakeEngine(fail_lead=True)
+    gen, engine = generator(enable_prefix_caching=True, block_size=32, fail_lead=True)
     with pytest.raises(RuntimeError, match="engine died"):
-        await generator(engine, enable_prefix_caching=True, block_size=32).generate_group(group(4, 62))
+        await gen.generate_group(group(4, 62))
     assert engine.events == [(0, "start")]
