@@ -106,12 +106,15 @@ images() {
   # (65534, as prom/prometheus does), whose /prometheus a fresh named volume copies, owner included.
   has_image "$PROMETHEUS_IMAGE" || { debian_image "$PROMETHEUS_IMAGE" prometheus \
     --customize-hook='mkdir -p "$1/prometheus"' --customize-hook='chown 65534:65534 "$1/prometheus"' & pids+=($!); }
-  has_image "$BASE_IMAGE" || debian_image "$BASE_IMAGE" python3,python3-venv,python3-dev,libgomp1,libnuma1,g++,ca-certificates
+  # The wheelhouse downloads beside the base image (neither needs the other; the build needs both).
   say "wheelhouse: pip download of rlmesh's locked requirements into deploy/docker/wheelhouse"
   local log="${TMPDIR:-/tmp}/rlmesh-wheelhouse.log"  # not in the build context: it would bust the cache
   # Debian's Python is 3.11.2: redis wants async-timeout below 3.11.3; pip here resolves for the host's.
-  if ! PYTHONWARNINGS=ignore "$PYTHON" -m pip download -q --disable-pip-version-check -d deploy/docker/wheelhouse \
-      ".[train,cpu,envs]" "setuptools>=69" wheel "async-timeout>=4.0.3" >"$log" 2>&1; then
+  PYTHONWARNINGS=ignore "$PYTHON" -m pip download -q --disable-pip-version-check -d deploy/docker/wheelhouse \
+    ".[train,cpu,envs]" "setuptools>=69" wheel "async-timeout>=4.0.3" >"$log" 2>&1 &
+  local wheels_pid=$!
+  has_image "$BASE_IMAGE" || debian_image "$BASE_IMAGE" python3,python3-venv,python3-dev,libgomp1,libnuma1,g++,ca-certificates
+  if ! wait "$wheels_pid"; then
     cat "$log" >&2; say "pip download failed (log above, also in $log)"; exit 1
   fi
   local image=${RLMESH_IMAGE:-rlmesh:cpu}

