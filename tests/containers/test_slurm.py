@@ -134,6 +134,13 @@ def slurm(rlmesh_images):
         events["requeued_after_s"] = time.monotonic() - killed
         stamp("job requeued")
         c.docker("start", c.container("node2"))
+        # Slurm takes node2 back as soon as its slurmd answers, but a step placed on it in the next
+        # seconds can still fail ("Requested node configuration is not available"; seen 2026-11-28:
+        # the job was requeued again by its script and Slurm then left it pending with idle nodes).
+        # So the job is moved to now only once node2 has been idle for a while.
+        c.wait(lambda: "idle" in c.run("sinfo", "-h", "-n", "node2", "-o", "%T", check=False), 120,
+               "node2 to be back in service", job)
+        time.sleep(15)
         # A requeued job may not start for 120 s (Slurm's requeue delay, as its BeginTime); its owner
         # may move that to now.
         c.run("scontrol", "update", f"JobId={job}", "StartTime=now")
