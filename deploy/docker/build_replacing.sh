@@ -7,7 +7,7 @@
 #
 # RLMESH_BUILD_CPU_SHARES=N runs the build's steps with `--cpu-shares N`: their containers' cgroup then
 # yields the CPU to everything else on the machine (2, the least, is what .ci/run uses to build the
-# images while the tests run). Niceness alone would not: the steps run in cgroups of their own.
+# images beside `make setup`). Niceness alone would not: the steps run in cgroups of their own.
 build_replacing() {
   local tag=$1 before after; shift
   before=$($DOCKER image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)

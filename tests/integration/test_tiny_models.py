@@ -51,13 +51,16 @@ def outputs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     procs = {}
     for core, arch in enumerate(ARCHS):
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
-        procs[arch] = subprocess.Popen([sys.executable, "-c", SCRIPT, arch, str(tmp / arch)], cwd=REPO, env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Files, not pipes: one script's output must not wait on the other being read.
+        with (tmp / f"{arch}.out").open("w") as out, (tmp / f"{arch}.err").open("w") as err:
+            procs[arch] = subprocess.Popen([sys.executable, "-c", SCRIPT, arch, str(tmp / arch)], cwd=REPO, env=env,
+                                           stdout=out, stderr=err, text=True)
     done = {}
     try:
         for arch, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=600)
-            done[arch] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+            proc.wait(timeout=600)
+            done[arch] = subprocess.CompletedProcess(proc.args, proc.returncode, (tmp / f"{arch}.out").read_text(),
+                                                     (tmp / f"{arch}.err").read_text())
     finally:
         for proc in procs.values():
             if proc.poll() is None:
