@@ -159,13 +159,13 @@ class AdapterWeightTransferEngine(GlooWeightTransferEngine):
 
 
 def refresh_tied_output_head(model: torch.nn.Module) -> bool:
-    """Give the output head a kernel of the new weights after an in-place reload when it shares its weight with the input
-    embedding (tie_word_embeddings: SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B, ...). The learner sends that
-    tensor once, under the embedding's name, so the layerwise reload processes only the embedding's layer
-    and puts the head back as it was; on CPU the head's matmul runs from a copy made when it was processed
-    (oneDNN prepacks bf16 weights), so without this the served head stayed at version 0 while the
-    embedding moved: the on-policy train/inference mismatch grew 1e-3 -> 0.2 nats in 10 steps on
-    SmolLM2-135M. Returns whether a head was rebuilt."""
+    """Give the output head a kernel of the new weights after an in-place reload when it shares its
+    weight with the input embedding (tie_word_embeddings: SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B, ...). The
+    learner sends that tensor once, under the embedding's name, so the layerwise reload processes only
+    the embedding's layer and puts the head back as it was; on CPU the head's matmul runs from a copy
+    made when it was processed (oneDNN prepacks bf16 weights), so without this the served head stayed at
+    version 0 while the embedding moved: the on-policy train/inference mismatch grew 1e-3 -> 0.2 nats in
+    10 steps on SmolLM2-135M. Returns whether the head was given one."""
     found = {name.rsplit(".", 1)[-1]: module for name, module in model.named_modules()
              if name.endswith(("lm_head", "embed_tokens"))}
     head, embed = found.get("lm_head"), found.get("embed_tokens")
