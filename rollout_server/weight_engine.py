@@ -122,7 +122,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self._buffers = WireBuffers()
         # One load_weights call over the whole stream (it takes any iterable). With cores to spare,
         # the next bucket is received, and this one digested on a side thread, while this one's
-        # tensors are copied in; on a small worker every byte is received first (`overlap_load`).
+        # tensors are copied in; on a CPU-served model every byte is received first (`overlap_load`).
         named = receive(self._group, metas, digest, into=self._buffers)
         try:
             self.load_received(named if overlap_load() else iter(list(named)), update_info)
@@ -183,11 +183,15 @@ def refresh_tied_output_head(model: torch.nn.Module) -> bool:
 
 
 def overlap_load() -> bool:
-    """Whether a worker loads each received bucket while the next is on the wire. Not where it may
-    run on two cores or fewer: there the receiving thread, the digest and vLLM's repacking of each
-    layer only take turns on the same cores, and receiving every byte first was faster (SmolLM2-135M
-    in float32, 513 MiB, 2 cores shared with the sender: served in 1.0 s against 1.1-1.3 s)."""
-    return len(os.sched_getaffinity(0)) > 2
+    """Whether a worker loads each received bucket while the next is on the wire: where vLLM serves
+    from an accelerator, so loading is a device copy beside the receiving. Not on vLLM-CPU: loading
+    there is vLLM repacking every layer on the CPU, and the worker's main thread is bound to one core
+    by OpenMP whatever `rollout.cpu_cores` gives it, so the receiving thread, the digest and the
+    repacking only took turns; receiving every byte first was faster (SmolLM2-135M in float32,
+    513 MiB, 2 cores: served in 1.0 s against 1.1-1.3 s)."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
 
 
 def version_dir(root: Path, version: int) -> Path:
