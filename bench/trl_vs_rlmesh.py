@@ -182,7 +182,12 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     from rlmesh.learner.data.sources import load_dataset
     from rlmesh.services.config import load_config
 
-    config = load_config(config_path, list(config_overrides))
+    from rlmesh.services.precision import resolve_precision
+
+    # bf16 where rlmesh computes in it (learner.backend.param_dtype=auto resolves on this machine as it
+    # does under `rlmesh up`): TRL then trains float32 weights under bf16 autocast, as its bf16=True does.
+    config = resolve_precision(load_config(config_path, list(config_overrides)))
+    bf16 = config.learner.backend.param_dtype == "bfloat16"
     if config.algorithm.name != "grpo":
         raise ValueError(f"algorithm.name={config.algorithm.name!r}: this comparison maps only rlmesh's grpo onto TRL "
                          "(loss_type='grpo', scale_rewards='group')")
@@ -211,7 +216,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     elif generation == "hf-paged":
         extra = {"use_transformers_continuous_batching": True}
     args = GRPOConfig(
-        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=bf16, fp16=False, gradient_checkpointing=False,
         seed=config.run.seed, shuffle_dataset=False, max_steps=config.learner.num_steps,
         per_device_train_batch_size=b * g, gradient_accumulation_steps=1, num_generations=g,
         max_completion_length=config.rollout.max_tokens, temperature=config.rollout.temperature,

@@ -311,8 +311,10 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, WeightSource.of(named), args.rounds, tmp,
                                                     digests, snapshots=snapshots))
+        reloads = engine_reload(model_dir, args.rounds)
         facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes,
-                 "pass_s": pass_costs(nbytes, digests), "engine_reload_s": median(engine_reload(model_dir, args.rounds))}
+                 "pass_s": pass_costs(nbytes, digests), "engine_reload_s": median(reloads),
+                 "engine_reload_all_s": reloads}
         results.update({f"{size}/{a}": row for a, row in summarize(raw, by_digest, **facts).items()})
         del model, named
     for spec in filter(None, args.lora.split(",")):
@@ -334,7 +336,7 @@ def main() -> None:
         if "engine_reload_s" in r and size not in sizes_shown:  # facts of the size, shared by its rows
             sizes_shown.add(size)
             print(f"{size}: vLLM's own reload of these weights from memory {r['engine_reload_s']:.4f} s (median, "
-                  f"alone); one more pass over its {r['mib']:.0f} MiB (s; copy on one thread, BLAKE3 on every "
+                  f"alone; rounds {[round(x, 4) for x in r['engine_reload_all_s']]}); one more pass over its {r['mib']:.0f} MiB (s; copy on one thread, BLAKE3 on every "
                   "core): " + ", ".join(f"{k} {v:.4f}" for k, v in r["pass_s"].items()))
         if "model_bytes" in r:
             print(f"{name}: adapter {r['bytes']:,d} bytes = {100 * r['adapter_fraction']:.2f}% of the base model's "

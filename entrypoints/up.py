@@ -113,7 +113,10 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     metrics = _Tail(run_dir / "metrics.jsonl", skip_existing=True)
 
     _check_model_path(config)
-    resolved = config.model_copy(deep=True)
+    from rlmesh.services.precision import resolve_precision
+
+    # Measured once here (learner.backend.param_dtype=auto, rollout.dtype=learner), so every tier agrees.
+    resolved = resolve_precision(config).model_copy(deep=True)
     _pass_secrets(mesh, config, resolved, run_dir)
 
     # Model preparation (tiny model, SFT warm start) runs first, beside everything that does not

@@ -65,9 +65,9 @@ def sampler_precision_warning(cfg: RunConfig) -> str:
     steps): 94% of the weights rounded back to their starting value, and the on-policy mismatch grew from 1e-3
     to 4e-2 in 4 steps at lr 2e-5 (docs/real-model.md)."""
     served, computed = cfg.rollout.dtype, cfg.learner.backend.param_dtype
-    if cfg.learner.lora.rank or served not in ("bfloat16", "float16") or computed != "float32":
+    if cfg.learner.lora.rank or served not in ("bfloat16", "float16") or computed not in ("float32", "auto"):
         return ""
-    return (f"rollout.dtype={served} with learner.backend.param_dtype=float32: vLLM samples from the weights "
+    return (f"rollout.dtype={served} with learner.backend.param_dtype={computed}: vLLM samples from the weights "
             f"rounded to {served}, which small updates do not change, while the learner computes with them "
             f"unrounded; the sampler lags the learner (watch mismatch_kl in metrics.jsonl). Set "
             "learner.backend.param_dtype=bfloat16 with rollout.dtype=bfloat16 (both sides then compute with the same "

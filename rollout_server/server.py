@@ -136,6 +136,9 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     if placeholder and adapter is not None:
         raise SystemExit("rlmesh rollout: --placeholder-model cannot be used with learner.lora.rank > 0 (the learner "
                          "broadcasts only the adapter, so the base model must already be the trained one)")
+    from rlmesh.services.precision import resolve_precision
+
+    config = resolve_precision(config)  # rollout.dtype=learner: serve in the learner's compute dtype
     generator = VLLMGenerator(placeholder or model_path(config), config.rollout, config.run.seed, receiver.engine,
                               adapter, placeholder=bool(placeholder))
     if config.logging.metrics_port is not None:

@@ -130,7 +130,9 @@ def warn_if_rounded_back(state: dict[str, Any], checkpoint: Path, dtype: str) ->
     """Warn when rounding the trained float32 weights to `dtype` puts most of them back where the run started
     (updates smaller than half a 16-bit step vanish: after a short RL run at lr 1e-5, 94% of SmolLM2's weights
     did, and the export's greedy answers were the learner's on 0 of 8 prompts, against 8 of 8 in float32).
-    Compares with the run's starting model when its directory is still there; returns the fraction, or None."""
+    Compares with the run's starting model when its directory is still there; returns the fraction, or None
+    (also when the run computed in `dtype` itself: learner.backend.param_dtype=bfloat16 trains and serves the
+    rounded weights, so the export in that dtype is the policy the run measured)."""
     import torch
     from safetensors import safe_open
 
@@ -140,7 +142,10 @@ def warn_if_rounded_back(state: dict[str, Any], checkpoint: Path, dtype: str) ->
         run_config = yaml.safe_load((checkpoint.parent.parent / "config.resolved.yaml").read_text())
         start = Path(run_config["model"]["path"])
         files = sorted(start.glob("*.safetensors"))
-    except (OSError, KeyError, TypeError, ValueError):
+        computed = ((run_config.get("learner") or {}).get("backend") or {}).get("param_dtype")
+    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if computed == dtype:  # the run computed (and served) these very rounded weights: nothing to lose
         return None
     target = getattr(torch, dtype)
     same = total = 0

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlmesh.learner.train.backends import build_backend
+from rlmesh.services.precision import resolve_precision
 from rlmesh.learner.train.distributed import CommandChannel, init_distributed
 from rlmesh.learner.train.objectives.base import Objective, run_step
 from rlmesh.learner.train.objectives.grpo import GRPOObjective
@@ -41,6 +42,9 @@ class Trainer:
         threads = config.learner.torch_threads if threads is None else threads
         torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
         self.rank, self.world_size = init_distributed()
+        # learner.backend.param_dtype=auto and rollout.dtype=learner, resolved once (on every rank alike)
+        # so that the dtype trained in and the dtype broadcast in agree.
+        config = resolve_precision(config)
         self.config, self.pad_id = config, pad_id
         self.backend = build_backend(config.learner, model_path, seed=config.run.seed, lr=lr)
         self.objective: Objective = objective if objective is not None else GRPOObjective.from_config(config)

@@ -64,8 +64,8 @@ class RolloutSection(Section):
     """Completions one Generate call may ask for (`prompt.n`); more is INVALID_ARGUMENT."""
     max_model_len: int = Field(256, ge=16)
     """vLLM context length."""
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """vLLM weights dtype (float32 keeps CPU logprobs close to the learner's)."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto", "learner"] = "float32"
+    """vLLM weights dtype: learner serves in the learner's compute dtype (learner.backend.param_dtype, resolved where it is auto), so both sides compute with the same weights; auto is the checkpoint's own dtype."""
     enforce_eager: bool = True
     """Skip torch.compile / graphs (much faster start-up on CPU)."""
     enable_prefix_caching: bool = False

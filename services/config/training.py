@@ -24,8 +24,8 @@ class LoRASection(Section):
 class FSDP2BackendSection(Section):
     type: Literal["fsdp2"] = "fsdp2"
     """PyTorch FSDP2 (`fully_shard`) over an HF model; gloo on CPU, NCCL on GPU."""
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of the sharded parameters."""
+    param_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Compute dtype of the sharded parameters (master weights and optimizer state stay float32); auto: bfloat16 where this machine's bf16 matmul is >= 1.25x float32's (a GPU with bf16, a CPU with AMX or fast AVX512-BF16), else float32."""
 
 
 class MegatronBackendSection(Section):
@@ -35,8 +35,8 @@ class MegatronBackendSection(Section):
     """Tensor-parallel size (splits attention heads, MLP and vocabulary over ranks)."""
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline-parallel size (splits the layers into stages); data parallel = num_ranks / (tensor * pipeline)."""
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype (bfloat16 keeps float32 master weights in the optimizer)."""
+    param_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Parameter and compute dtype (bfloat16 keeps float32 master weights in the optimizer); auto: bfloat16 where this machine computes it >= 1.25x faster than float32, else float32."""
 
 
 BackendSection = Annotated[

