@@ -98,6 +98,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = await run_torch(lambda: Trainer(cfg, model_path, pad_id=tokenizer.pad_token_id))
+    cfg = trainer.config  # with the precision resolved (param_dtype=auto, rollout.dtype=learner, lr_bfloat16)
     weights = WeightSource(trainer.weight_metas, trainer.stream_weights)
     membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s, tls=tls)
     broadcaster = WeightBroadcaster(membership, cfg.weight_sync, build_sender(cfg.weight_sync), run_torch,

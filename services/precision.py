@@ -73,16 +73,24 @@ def resolve_param_dtype(param_dtype: str) -> str:
 
 
 def resolve_precision(config: RunConfig) -> RunConfig:
-    """`config` with both compute dtypes explicit (a copy where `auto` or `learner` was resolved; the
-    same object where nothing was left open), measured once so that the learner and the dtype it
-    broadcasts in agree. `rlmesh up` resolves before it writes config.resolved.yaml, so every tier it
-    starts gets the same answer; a tier started on its own resolves on its own machine (set both
-    explicitly where the learner and the rollout servers run on different hardware)."""
-    param, served = config.learner.backend.param_dtype, config.rollout.dtype
-    if param != "auto" and served != "learner":
+    """`config` with both compute dtypes explicit, and `learner.lr` the one for the dtype the learner
+    computes in (`learner.lr_bfloat16` in bf16, where it is set): a copy where anything was resolved,
+    the same object where nothing was left open. Measured once, so that the learner, the dtype it
+    broadcasts in and its learning rate agree. `rlmesh up` resolves before it writes
+    config.resolved.yaml, so every tier it starts gets the same answer; a tier started on its own
+    resolves on its own machine (set the dtypes explicitly where the learner and the rollout servers run
+    on different hardware)."""
+    learner = config.learner
+    param, served = learner.backend.param_dtype, config.rollout.dtype
+    bf16_lr = learner.lr_bfloat16 is not None and param in ("auto", "bfloat16")
+    if param != "auto" and served != "learner" and not bf16_lr:
         return config
     resolved = config.model_copy(deep=True)
     resolved.learner.backend.param_dtype = param = resolve_param_dtype(param)
     if served == "learner":
         resolved.rollout.dtype = param
+    if param == "bfloat16" and learner.lr_bfloat16 is not None:
+        log.info("learner.lr=%g (learner.lr_bfloat16: the learner computes in bfloat16)", learner.lr_bfloat16)
+        resolved.learner.lr = learner.lr_bfloat16
+    resolved.learner.lr_bfloat16 = None  # applied: a resolved config is resolved again as it is
     return resolved

@@ -53,6 +53,8 @@ class LearnerSection(Section):
     """Times torchrun restarts the whole learner job after a rank dies (it resumes from the newest checkpoint)."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate (peak)."""
+    lr_bfloat16: float | None = Field(None, gt=0)
+    """The learning rate instead of `lr` when the learner computes in bfloat16 (backend.param_dtype bfloat16, or auto resolved to it): a bf16 weight moves only once its float32 master has moved half a bf16 step, so a run that tunes lr in float32 may need a larger one in bf16. Unset: lr either way."""
     lr_schedule: Literal["constant", "linear"] = "constant"
     """constant, or linear decay from `lr` to `lr * lr_final_ratio` over `num_steps`."""
     lr_final_ratio: float = Field(0.1, ge=0, le=1)

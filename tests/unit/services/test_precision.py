@@ -50,13 +50,18 @@ def test_the_sampler_follows_the_learners_resolved_dtype(monkeypatch, measured):
     config = load_config("examples/smollm2_grpo.yaml", ["learner.backend.param_dtype=auto", "rollout.dtype=learner"])
     resolved = precision.resolve_precision(config)
     assert (resolved.learner.backend.param_dtype, resolved.rollout.dtype) == (measured, measured)
+    # The demo's learning rate for the dtype it computes in (learner.lr_bfloat16 in bf16, else learner.lr).
+    assert resolved.learner.lr == {"bfloat16": config.learner.lr_bfloat16, "float32": config.learner.lr}[measured]
+    assert config.learner.lr_bfloat16 > config.learner.lr and resolved.learner.lr_bfloat16 is None
+    assert precision.resolve_precision(resolved) is resolved  # resolved once, for good
     assert (config.learner.backend.param_dtype, config.rollout.dtype) == ("auto", "learner")  # a copy
     # Explicit on both sides: nothing measured, nothing copied.
-    explicit = load_config(None, ["learner.backend.param_dtype=float32", "rollout.dtype=float32"])
+    explicit = load_config(None, ["learner.backend.param_dtype=float32", "rollout.dtype=float32",
+                                   "learner.lr_bfloat16=1e-4"])
     assert precision.resolve_precision(explicit) is explicit
     pinned = precision.resolve_precision(load_config(None, ["learner.backend.param_dtype=bfloat16",
-                                                            "rollout.dtype=learner"]))
-    assert pinned.rollout.dtype == "bfloat16"
+                                                            "rollout.dtype=learner", "learner.lr_bfloat16=1e-4"]))
+    assert (pinned.rollout.dtype, pinned.learner.lr) == ("bfloat16", 1e-4)
 
 
 def _rank(rank: int, store: str, out: str) -> None:
