@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlmesh.learner.train.backends import build_backend
-from rlmesh.services.precision import resolve_precision
 from rlmesh.learner.train.distributed import CommandChannel, init_distributed
 from rlmesh.learner.train.objectives.base import Objective, run_step
 from rlmesh.learner.train.objectives.grpo import GRPOObjective
 from rlmesh.services.affinity import pin_to_cores
+from rlmesh.services.precision import resolve_precision
 
 if TYPE_CHECKING:
     from rlmesh.learner.train.batch import Sequence

@@ -11,9 +11,7 @@ if TYPE_CHECKING:
 
 def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float | None = None) -> TrainingBackend:
     """The backend `cfg.backend.type` names, loaded from the HF model at `model_path`."""
-    from rlmesh.services.precision import resolve_param_dtype
-
-    param_dtype = resolve_param_dtype(cfg.backend.param_dtype)
+    param_dtype = cfg.backend.param_dtype  # explicit: the Trainer resolved `auto` (services.precision)
     if cfg.backend.type == "fsdp2":
         from rlmesh.learner.train.backends.fsdp2 import FSDP2Backend
 
