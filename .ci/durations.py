@@ -13,15 +13,17 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 
 
-def _cases(path: str) -> list[tuple[str, float, str]]:
+def _cases(path: str) -> list[tuple[str, float, str, str]]:
+    """(name, seconds, outcome, message) of every test case; the message is a failure's or error's."""
     cases = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        outcome = "passed"
+        outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
-            if case.find(tag) is not None:
-                outcome = tag
+            found = case.find(tag)
+            if found is not None:
+                outcome, message = tag, found.get("message", "") or (found.text or "").strip()
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        cases.append((name, float(case.get("time", 0.0)), outcome))
+        cases.append((name, float(case.get("time", 0.0)), outcome, message))
     return cases
 
 
@@ -48,18 +50,25 @@ def main() -> int:
     if not cases:
         return 0
     by_file: dict[str, list[float]] = defaultdict(list)
-    for name, seconds, _ in cases:
+    for name, seconds, *_ in cases:
         by_file[_module(name.split("::")[0])].append(seconds)
     print(f"\n== slowest {args.top} tests (seconds, outcome) ==")
-    for name, seconds, outcome in sorted(cases, key=lambda c: -c[1])[:args.top]:
+    for name, seconds, outcome, _ in sorted(cases, key=lambda c: -c[1])[:args.top]:
         print(f"{seconds:8.1f}  {outcome:7s}  {name}")
     print("\n== seconds per test module (tests) ==")
     for module, times in sorted(by_file.items(), key=lambda kv: -sum(kv[1])):
         print(f"{sum(times):8.1f}  {len(times):4d}  {module}")
     counts = defaultdict(int)
-    for _, _, outcome in cases:
+    for _, _, outcome, _ in cases:
         counts[outcome] += 1
-    print(f"\n{sum(s for _, s, _ in cases):.0f} s in {len(cases)} tests: "
+    # Last, where a reader of the end of the log sees them: what each failure or error said (a
+    # session fixture's error repeats on every test that used it: printed once).
+    said = set()
+    for name, _, outcome, message in cases:
+        if outcome in ("failure", "error") and message not in said:
+            said.add(message)
+            print(f"{outcome}: {name}: {message.splitlines()[0][:400] if message else '(no message)'}")
+    print(f"\n{sum(c[1] for c in cases):.0f} s in {len(cases)} tests: "
           + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     return 0
 

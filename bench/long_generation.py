@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO))
 LONG_TAIL = REPO / "examples" / "reasoning_long_grpo.yaml"
 SIDES = ("k0", "k1", "k2", "trl")
 
-from bench.trl_vs_rlmesh import (_env, check_same_prompts, environment, held_out_accuracy,  # noqa: E402
-                                 run_rlmesh, run_trl, score_side)
+from bench.trl_vs_rlmesh import (_env, check_same_prompts, compute_dtype, environment,  # noqa: E402
+                                 held_out_accuracy, run_rlmesh, run_trl, score_side)
 
 
 def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -66,7 +66,8 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                             str(warm), *seed_set], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
     sft_s = time.time() - t0
     check_same_prompts(warm, eval_set)
-    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens, env)
+    dtype = compute_dtype(config)
+    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens, env, dtype)
     target = args.target if args.target is not None else min(start_acc + args.gain, 1.0)
     print(f"seed {seed}: warm start accuracy {start_acc:.3f}, target {target:.3f}", flush=True)
     out: dict[str, Any] = {"seed": seed, "warm_start_accuracy": start_acc, "target": target, "sft_s": sft_s,
@@ -78,7 +79,7 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         else:
             run = run_rlmesh(work, warm, [f"algorithm.max_staleness={side[1:]}", *seed_set, *args.overrides],
                              args.config, name=f"rlmesh-{side}")
-        out[side] = score_side(run, start_acc, warm, eval_set, config.rollout.max_tokens, env, target)
+        out[side] = score_side(run, start_acc, warm, eval_set, config.rollout.max_tokens, env, target, dtype)
         out[side]["load_after"] = _load()
         if args.json:  # what is done so far survives a later failure
             Path(args.json).with_suffix(f".seed{seed}.json").write_text(json.dumps(out, indent=2, default=str))

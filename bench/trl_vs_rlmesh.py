@@ -4,7 +4,8 @@ config) and once by TRL's `GRPOTrainer` with the same group size, prompts per st
 learning rate and schedule, clip, sampling temperature, completion budget, reward function and chat
 template. Wall time runs from launching each side's process to the step whose checkpoint first
 reaches --target held-out accuracy; every checkpoint of both sides (every 10 steps) is scored after
-the runs by one evaluator (HF greedy decoding, the environment's own `correct` signal). A config
+the runs by one evaluator (HF greedy decoding with the weights cast to the dtype both sides computed
+in, the environment's own `correct` signal). A config
 without an SFT stage (sft.num_steps 0, e.g. the real-model demo examples/smollm2_grpo.yaml) starts
 both sides from its own model directory instead.
 
@@ -81,14 +82,14 @@ def lr_factor(step: int, config: RunConfig) -> float:
 # --- the one evaluator ----------------------------------------------------------------------------
 
 def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Example], max_tokens: int,
-                      env: Any) -> float:
-    """Greedy completion of every held-out prompt with HF `generate`, scored by the environment."""
+                      env: Any, dtype: str = "float32") -> float:
+    """Greedy completion of every held-out prompt with HF `generate` in `dtype`, scored by the environment."""
     from transformers.utils import logging as hf_logging
 
     from rlmesh.learner.recipes.greedy import greedy_completions
 
     hf_logging.disable_progress_bar()
-    texts = greedy_completions(model_dir, eval_set, max_tokens, tokenizer_dir)
+    texts = greedy_completions(model_dir, eval_set, max_tokens, tokenizer_dir, dtype)
     return sum(score(env, texts, [ex.metadata["answer"] for ex in eval_set])[1]) / len(eval_set)
 
 
@@ -128,7 +129,9 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     first, last = train[0].get("rollout_busy_s", {}), train[-1].get("rollout_busy_s", {})
     span = train[-1]["time"] - train[0]["time"]
     tokens = sum(r["num_tokens"] for r in train)
+    resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     return {"process_s": t_end - t_launch, "first_step_start_s": first_step_start, "steps": len(train),
+            "param_dtype": resolved["learner"]["backend"]["param_dtype"],
             "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
             "generated_tokens": tokens, "tokens_per_s": tokens / loop_s,
             "mean_completion_tokens_by_step": [r["num_tokens"] / max(r["num_samples"], 1) for r in train],
@@ -271,11 +274,21 @@ def time_to_target(side: dict, accuracy: dict[int, float], target: float) -> tup
     return (hit[0], side["time_at_step"][hit[0]]) if hit else (None, None)
 
 
+def compute_dtype(config: RunConfig) -> str:
+    """The dtype both sides train and sample in, as `rlmesh up` resolves it on this machine
+    (learner.backend.param_dtype, `auto` measured): the evaluator scores every checkpoint cast to it,
+    the policy each side served (a bf16 run's float32 master weights are not that policy: they hold
+    updates below half a bf16 step that no sample was drawn with)."""
+    from rlmesh.services.precision import resolve_precision
+
+    return resolve_precision(config).learner.backend.param_dtype
+
+
 def score_side(side: dict, start_acc: float, warm: Path, eval_set: list[Example], max_tokens: int, env: Any,
-               target: float) -> dict[str, Any]:
-    """One side's run with every checkpoint scored by the one evaluator (step 0: the warm start) and
-    its time to `target`."""
-    acc = {0: start_acc, **{s: held_out_accuracy(d, warm, eval_set, max_tokens, env)
+               target: float, dtype: str = "float32") -> dict[str, Any]:
+    """One side's run with every checkpoint scored by the one evaluator in `dtype` (step 0: the warm
+    start) and its time to `target`."""
+    acc = {0: start_acc, **{s: held_out_accuracy(d, warm, eval_set, max_tokens, env, dtype)
                             for s, d in side.pop("checkpoints").items()}}
     step, t = time_to_target(side, acc, target)
     last = max(acc)
@@ -393,13 +406,18 @@ def main() -> None:
         print(f"TRL: GRPOTrainer, generation={args.trl_generation}", flush=True)
         sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s, args.config, seeded)
 
-    print("scoring every checkpoint with one evaluator (HF greedy)", flush=True)
-    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens, env)
+    dtype = compute_dtype(config)
+    if "rlmesh" in sides and sides["rlmesh"]["param_dtype"] != dtype:
+        raise SystemExit(f"rlmesh's run computed in {sides['rlmesh']['param_dtype']}, this process resolves "
+                         f"{dtype}: set learner.backend.param_dtype explicitly in {args.config}")
+    print(f"scoring every checkpoint with one evaluator (HF greedy, weights in {dtype})", flush=True)
+    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens, env, dtype)
     result: dict[str, Any] = {"target": args.target, "goal": args.goal, "seed": config.run.seed,
-                              "warm_start_accuracy": start_acc, "sft_s": sft_s,
+                              "warm_start_accuracy": start_acc, "sft_s": sft_s, "scored_in": dtype,
                               "num_eval": len(eval_set), "work": str(work)}
     for name, side in sides.items():
-        result[name] = score_side(side, start_acc, warm, eval_set, config.rollout.max_tokens, env, args.target)
+        result[name] = score_side(side, start_acc, warm, eval_set, config.rollout.max_tokens, env, args.target,
+                                  dtype)
 
     report(result, list(sides), args.target)
     if args.json:

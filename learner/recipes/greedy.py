@@ -10,14 +10,15 @@ from rlmesh.services.domain.chat import ChatCodec
 
 
 def greedy_completions(model_dir: Path | str, examples: list[Example], max_tokens: int,
-                       tokenizer_dir: Path | str | None = None) -> list[str]:
+                       tokenizer_dir: Path | str | None = None, dtype: str = "float32") -> list[str]:
     """Each example's prompt through the chat template, completed greedily up to `max_tokens` or the
-    end-of-turn token, decoded without special tokens."""
+    end-of-turn token, decoded without special tokens. `dtype` is the one the weights are cast to
+    and computed in: a run that trained and sampled in bfloat16 is scored as the policy it served."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
     codec = ChatCodec(tokenizer)
     texts = []
     with torch.no_grad():
