@@ -79,7 +79,8 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         else:
             run = run_rlmesh(work, warm, [f"algorithm.max_staleness={side[1:]}", *seed_set, *args.overrides],
                              args.config, name=f"rlmesh-{side}")
-        out[side] = score_side(run, start_acc, warm, eval_set, config.rollout.max_tokens, env, target, dtype)
+        out[side] = score_side(run, start_acc, lambda d: held_out_accuracy(d, warm, eval_set, config.rollout.max_tokens,
+                                                                          env, dtype), target)
         out[side]["load_after"] = _load()
         if args.json:  # what is done so far survives a later failure
             Path(args.json).with_suffix(f".seed{seed}.json").write_text(json.dumps(out, indent=2, default=str))

@@ -4,8 +4,8 @@ config) and once by TRL's `GRPOTrainer` with the same group size, prompts per st
 learning rate and schedule, clip, sampling temperature, completion budget, reward function and chat
 template. Wall time runs from launching each side's process to the step whose checkpoint first
 reaches --target held-out accuracy; every checkpoint of both sides (every 10 steps) is scored after
-the runs by one evaluator (HF greedy decoding with the weights cast to the dtype both sides computed
-in, the environment's own `correct` signal). A config
+the runs by one evaluator (`rlmesh eval`: vLLM greedy decoding in the dtype both sides computed in,
+the environment's own `correct` signal; `--evaluator hf` for HF greedy instead). A config
 without an SFT stage (sft.num_steps 0, e.g. the real-model demo examples/smollm2_grpo.yaml) starts
 both sides from its own model directory instead.
 
@@ -13,7 +13,7 @@ The pieces take the config as a parameter (`--config`; the environment named by 
 scores both sides): bench/long_generation.py runs them on the reasoning task.
 
 Run: python bench/trl_vs_rlmesh.py [--config C] [--seed N] [--target 0.9] [--goal 3] [--trl-generation hf]
-       [--trl-max-s 480] [--json OUT]
+       [--trl-max-s 480] [--evaluator vllm|hf] [--json OUT]
 (seeds interleaved: one invocation per seed, each running rlmesh then TRL)
 Needs the bench extra (`make bench-setup`: trl, accelerate, datasets)."""
 
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -83,7 +83,8 @@ def lr_factor(step: int, config: RunConfig) -> float:
 
 def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Example], max_tokens: int,
                       env: Any, dtype: str = "float32") -> float:
-    """Greedy completion of every held-out prompt with HF `generate` in `dtype`, scored by the environment."""
+    """Greedy completion of every held-out prompt with HF `generate`, the weights rounded to `dtype`,
+    scored by the environment."""
     from transformers.utils import logging as hf_logging
 
     from rlmesh.learner.recipes.greedy import greedy_completions
@@ -91,6 +92,26 @@ def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Examp
     hf_logging.disable_progress_bar()
     texts = greedy_completions(model_dir, eval_set, max_tokens, tokenizer_dir, dtype)
     return sum(score(env, texts, [ex.metadata["answer"] for ex in eval_set])[1]) / len(eval_set)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt")
+
+
+def vllm_accuracy(model_dir: Path, tokenizer_dir: Path, config_path: Path, overrides: list[str], out: Path) -> float:
+    """Held-out greedy accuracy of `model_dir` by `rlmesh eval` on `config_path`: vLLM greedy in the
+    dtype the config resolves to on this machine (rollout.dtype: learner follows
+    learner.backend.param_dtype), the same engine and dtype rlmesh's in-loop evaluation uses and
+    that a bf16 run's samples came from. A checkpoint saved without its tokenizer (TRL's) gets the
+    warm start's."""
+    for name in TOKENIZER_FILES:
+        if not (model_dir / name).exists() and (tokenizer_dir / name).exists():
+            (model_dir / name).write_bytes((tokenizer_dir / name).read_bytes())
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run([sys.executable, "-m", "rlmesh.cli", "eval", "-c", str(config_path), "--model", str(model_dir),
+                        "--output", str(out), "logging.progress=false", *overrides],
+                       check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
+    return float(json.loads((out / "eval.json").read_text())["accuracy"])
 
 
 # --- rlmesh side --------------------------------------------------------------------------------
@@ -243,6 +264,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
             if st.global_step % every == 0:
                 t0 = time.time()
                 model.save_pretrained(str(out / f"step_{st.global_step:06d}"), safe_serialization=True)
+                tokenizer.save_pretrained(str(out / f"step_{st.global_step:06d}"))
                 state["excluded"] += time.time() - t0
             if t > max_s and st.global_step % every == 0:
                 state["stopped_by_cap"] = True
@@ -276,20 +298,18 @@ def time_to_target(side: dict, accuracy: dict[int, float], target: float) -> tup
 
 def compute_dtype(config: RunConfig) -> str:
     """The dtype both sides train and sample in, as `rlmesh up` resolves it on this machine
-    (learner.backend.param_dtype, `auto` measured): the evaluator scores every checkpoint cast to it,
-    the policy each side served (a bf16 run's float32 master weights are not that policy: they hold
+    (learner.backend.param_dtype, `auto` measured): the evaluator scores every checkpoint's weights
+    rounded to it, the policy each side served (a bf16 run's float32 master weights are not that policy: they hold
     updates below half a bf16 step that no sample was drawn with)."""
     from rlmesh.services.precision import resolve_precision
 
     return resolve_precision(config).learner.backend.param_dtype
 
 
-def score_side(side: dict, start_acc: float, warm: Path, eval_set: list[Example], max_tokens: int, env: Any,
-               target: float, dtype: str = "float32") -> dict[str, Any]:
-    """One side's run with every checkpoint scored by the one evaluator in `dtype` (step 0: the warm
-    start) and its time to `target`."""
-    acc = {0: start_acc, **{s: held_out_accuracy(d, warm, eval_set, max_tokens, env, dtype)
-                            for s, d in side.pop("checkpoints").items()}}
+def score_side(side: dict, start_acc: float, scorer: Callable[[Path], float], target: float) -> dict[str, Any]:
+    """One side's run with every checkpoint scored by the one evaluator, `scorer` (step 0: the warm
+    start's `start_acc`), and its time to `target`."""
+    acc = {0: start_acc, **{s: scorer(d) for s, d in side.pop("checkpoints").items()}}
     step, t = time_to_target(side, acc, target)
     last = max(acc)
     return {**side, "accuracy": acc, "target_step": step, "time_to_target_s": t, "final_step": last,
@@ -359,6 +379,10 @@ def main() -> None:
                         "the first weight sync; see docs/performance.md)")
     p.add_argument("--trl-max-s", type=float, default=480.0,
                    help="stop TRL at the first checkpoint after this many seconds from its launch")
+    p.add_argument("--evaluator", default="vllm", choices=["vllm", "hf"],
+                   help="the one evaluator of every checkpoint of both sides: vllm (`rlmesh eval`: vLLM greedy in the "
+                        "dtype both sides computed in, ~40 s a checkpoint) or hf (HF greedy, one prompt at a time, "
+                        "float32 compute on the weights rounded to that dtype, ~7 min a checkpoint of SmolLM2 here)")
     p.add_argument("--only", choices=["rlmesh", "trl"], help="run one side only (for trying settings)")
     p.add_argument("--work", help="working directory (default: a new temporary one)")
     p.add_argument("--json", help="also write the results here")
@@ -410,14 +434,21 @@ def main() -> None:
     if "rlmesh" in sides and sides["rlmesh"]["param_dtype"] != dtype:
         raise SystemExit(f"rlmesh's run computed in {sides['rlmesh']['param_dtype']}, this process resolves "
                          f"{dtype}: set learner.backend.param_dtype explicitly in {args.config}")
-    print(f"scoring every checkpoint with one evaluator (HF greedy, weights in {dtype})", flush=True)
-    start_acc = held_out_accuracy(warm, warm, eval_set, config.rollout.max_tokens, env, dtype)
+    scored = iter(range(1000))
+    if args.evaluator == "vllm":
+        def scorer(d: Path) -> float:
+            return vllm_accuracy(d, warm, args.config, seeded, work / f"eval-{next(scored)}")
+    else:
+        def scorer(d: Path) -> float:
+            return held_out_accuracy(d, warm, eval_set, config.rollout.max_tokens, env, dtype)
+    print(f"scoring every checkpoint with one evaluator ({args.evaluator} greedy, weights in {dtype})", flush=True)
+    start_acc = scorer(warm)
     result: dict[str, Any] = {"target": args.target, "goal": args.goal, "seed": config.run.seed,
                               "warm_start_accuracy": start_acc, "sft_s": sft_s, "scored_in": dtype,
+                              "evaluator": args.evaluator,
                               "num_eval": len(eval_set), "work": str(work)}
     for name, side in sides.items():
-        result[name] = score_side(side, start_acc, warm, eval_set, config.rollout.max_tokens, env, args.target,
-                                  dtype)
+        result[name] = score_side(side, start_acc, scorer, args.target)
 
     report(result, list(sides), args.target)
     if args.json:

@@ -10,15 +10,20 @@ from rlmesh.services.domain.chat import ChatCodec
 
 
 def greedy_completions(model_dir: Path | str, examples: list[Example], max_tokens: int,
-                       tokenizer_dir: Path | str | None = None, dtype: str = "float32") -> list[str]:
+                       tokenizer_dir: Path | str | None = None, weights_dtype: str = "float32") -> list[str]:
     """Each example's prompt through the chat template, completed greedily up to `max_tokens` or the
-    end-of-turn token, decoded without special tokens. `dtype` is the one the weights are cast to
-    and computed in: a run that trained and sampled in bfloat16 is scored as the policy it served."""
+    end-of-turn token, decoded without special tokens. The weights are rounded to `weights_dtype`
+    first (then decoded in float32), so a run that trained and sampled in bfloat16 is scored with
+    the weights it served, not with float32 master weights that hold updates no sample was drawn with."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if weights_dtype != "float32":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(getattr(torch, weights_dtype)))
     codec = ChatCodec(tokenizer)
     texts = []
     with torch.no_grad():
