@@ -20,6 +20,7 @@ Needs the bench extra (`make bench-setup`: trl, accelerate, datasets)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -94,19 +95,11 @@ def held_out_accuracy(model_dir: Path, tokenizer_dir: Path, eval_set: list[Examp
     return sum(score(env, texts, [ex.metadata["answer"] for ex in eval_set])[1]) / len(eval_set)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt")
-
-
-def vllm_accuracy(model_dir: Path, tokenizer_dir: Path, config_path: Path, overrides: list[str], out: Path) -> float:
-    """Held-out greedy accuracy of `model_dir` by `rlmesh eval` on `config_path`: vLLM greedy in the
-    dtype the config resolves to on this machine (rollout.dtype: learner follows
-    learner.backend.param_dtype), the same engine and dtype rlmesh's in-loop evaluation uses and
-    that a bf16 run's samples came from. A checkpoint saved without its tokenizer (TRL's) gets the
-    warm start's."""
-    for name in TOKENIZER_FILES:
-        if not (model_dir / name).exists() and (tokenizer_dir / name).exists():
-            (model_dir / name).write_bytes((tokenizer_dir / name).read_bytes())
+def vllm_accuracy(model_dir: Path, config_path: Path, overrides: list[str], out: Path) -> float:
+    """Held-out greedy accuracy of `model_dir` (an HF directory with its tokenizer) by `rlmesh eval` on
+    `config_path`: vLLM greedy in the dtype the config resolves to on this machine (rollout.dtype:
+    learner follows learner.backend.param_dtype), the same engine and dtype rlmesh's in-loop
+    evaluation uses and that a bf16 run's samples came from."""
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run([sys.executable, "-m", "rlmesh.cli", "eval", "-c", str(config_path), "--model", str(model_dir),
                         "--output", str(out), "logging.progress=false", *overrides],
@@ -264,7 +257,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
             if st.global_step % every == 0:
                 t0 = time.time()
                 model.save_pretrained(str(out / f"step_{st.global_step:06d}"), safe_serialization=True)
-                tokenizer.save_pretrained(str(out / f"step_{st.global_step:06d}"))
+                tokenizer.save_pretrained(str(out / f"step_{st.global_step:06d}"))  # vLLM loads it from there
                 state["excluded"] += time.time() - t0
             if t > max_s and st.global_step % every == 0:
                 state["stopped_by_cap"] = True
@@ -381,8 +374,8 @@ def main() -> None:
                    help="stop TRL at the first checkpoint after this many seconds from its launch")
     p.add_argument("--evaluator", default="vllm", choices=["vllm", "hf"],
                    help="the one evaluator of every checkpoint of both sides: vllm (`rlmesh eval`: vLLM greedy in the "
-                        "dtype both sides computed in, ~40 s a checkpoint) or hf (HF greedy, one prompt at a time, "
-                        "float32 compute on the weights rounded to that dtype, ~7 min a checkpoint of SmolLM2 here)")
+                        "dtype both sides computed in, ~1 min a SmolLM2 checkpoint here) or hf (HF greedy, one prompt "
+                        "at a time, float32 compute on the weights rounded to that dtype, ~7 min a checkpoint here)")
     p.add_argument("--only", choices=["rlmesh", "trl"], help="run one side only (for trying settings)")
     p.add_argument("--work", help="working directory (default: a new temporary one)")
     p.add_argument("--json", help="also write the results here")
@@ -434,10 +427,10 @@ def main() -> None:
     if "rlmesh" in sides and sides["rlmesh"]["param_dtype"] != dtype:
         raise SystemExit(f"rlmesh's run computed in {sides['rlmesh']['param_dtype']}, this process resolves "
                          f"{dtype}: set learner.backend.param_dtype explicitly in {args.config}")
-    scored = iter(range(1000))
+    scored = itertools.count()
     if args.evaluator == "vllm":
         def scorer(d: Path) -> float:
-            return vllm_accuracy(d, warm, args.config, seeded, work / f"eval-{next(scored)}")
+            return vllm_accuracy(d, args.config, seeded, work / f"eval-{next(scored)}")
     else:
         def scorer(d: Path) -> float:
             return held_out_accuracy(d, warm, eval_set, config.rollout.max_tokens, env, dtype)
