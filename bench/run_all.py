@@ -1,7 +1,9 @@
 """`make bench`: every benchmark under bench/, one table. Each benchmark runs both sides of its
 comparison in one invocation; this collects their JSON results, prints one table (measured,
 baseline, ratio, target), and writes it to bench/results/table.json and bench/results/table.png.
-Run: python bench/run_all.py [--skip async_vs_sync] [--quick]"""
+`--real-model` runs the performance issue's rows 1-5 on the real-model demo instead (about two and a
+half hours on 2 cores; `make bench BENCH_ARGS=--real-model`).
+Run: python bench/run_all.py [--skip async_vs_sync] [--only NAMES] [--real-model [--seeds 0,1,2]]"""
 
 from __future__ import annotations
 
@@ -98,32 +100,103 @@ def _rows_reward(r: dict) -> list[tuple]:
             for name, v in r.items() if isinstance(v, dict) and "ratio" in v]
 
 
+DEMO, MODEL = "examples/smollm2_grpo.yaml", "models/smollm2-135m-instruct"
+
+
+def real_model_benches(dtype: str, seeds: list[int]) -> dict[str, tuple[str, list[str], object]]:
+    """The performance issue's rows 1-5 on the real-model demo (its config, model, batch and the dtype
+    `rlmesh up` chooses on this machine): label -> (script, args, reader)."""
+    benches = {
+        "learner_throughput": ("learner_throughput", ["--model", MODEL, "--dtype", dtype, "--groups", "8", "--n", "8",
+                                                      "--prompt-len", "64", "--completion-len", "128",
+                                                      "--micro-batch-size", "8", "--steps", "2"], lambda r: [
+            (f"row 2: learner step vs plain PyTorch loop (SmolLM2-135M, {dtype}, 8 x 8, 1 thread each)",
+             r["learner_1rank"]["tokens_per_s"], r["plain"]["tokens_per_s"], r["ratio_vs_plain"], ">= 0.9", "train tok/s"),
+            (f"row 2: learner MFU ({6e-9 * r['parameters'] * r['learner_1rank']['tokens_per_s']:.0f} of "
+             f"{r['peak_flops_1thread'] / 1e9:.0f} GFLOP/s, one-thread {dtype} matmul peak); plain loop as baseline",
+             r["learner_1rank"]["mfu"], r["plain"]["mfu"], r["learner_1rank"]["mfu"], "—", "fraction")]),
+        "rollout_throughput": ("rollout_throughput", ["--model", MODEL, "--dtype", dtype, "--groups", "16", "--n", "8",
+                                                      "--max-tokens", "192"], lambda r: [
+            (f"row 3: rollout server vs raw vLLM (SmolLM2-135M, {dtype}, 16 x 8, the demo's sampling)",
+             r["mesh_tokens_per_s"], r["raw_tokens_per_s"], r["ratio"], ">= 0.95", "gen tok/s")]),
+        "weight_update": ("weight_update", ["--sizes", MODEL, "--dtype", dtype, "--lora", "", "--rounds", "5",
+                                            "--digests", "blake3", "--snapshot", "on"], lambda r: [
+            row for v in r.values() for row in (
+                (f"row 4: weight update ({v['mib']:.0f} MiB {dtype}) vs raw gloo broadcast + vLLM's own reload",
+                 v["update_s"], v["raw_s"] + v["engine_reload_s"], v["engine_ratio"], "<= 1.3", "s"),
+                (f"row 4: what the training step waits for (the snapshot) vs raw broadcast",
+                 v["send_s"], v["raw_s"], v["send_ratio"], "<= 1.3", "s"))]),
+    }
+    for seed in seeds:
+        benches[f"trl_vs_rlmesh_seed{seed}"] = ("trl_vs_rlmesh", [
+            "--config", DEMO, "--seed", str(seed), "--target", "0.30", "--goal", "2", "--trl-max-s", "850"],
+            lambda r, seed=seed: [(f"row 1, seed {seed}: " + row[0], *row[1:]) for row in _rows_trl(r)])
+    benches["placement"] = ("placement", ["--runs", "split:0,split:1,split:2,shared:0", "--seed", "0", "--steps", "6"],
+                            _rows_placement)
+    return benches
+
+
+def _rows_placement(r: dict) -> list[tuple]:
+    """Each run's measured step against the step its placement allows (its bound)."""
+    return [(f"row 5: {x['placement']} k={x['k']}: step vs its bound ({1000 * x['loop_s'] / max(x['trained_tokens'], 1):.0f} "
+             f"ms/trained token, acc {x['first_accuracy']:.2f} -> {x['final_accuracy']:.2f})",
+             x["span_step_s"], x["bound_step_s"] or float("nan"), x["span_step_s"] / x["bound_step_s"]
+             if x["bound_step_s"] else float("nan"), "~1", "s") for x in r["runs"]]
+
+
+def _row1_mean(rows: list[tuple]) -> list[tuple]:
+    """The mean over seeds of row 1's TRL / rlmesh (the issue's goal is on the mean)."""
+    ratios = [r[3] for r in rows if r[0].startswith("row 1, seed")]
+    if len(ratios) < 2:
+        return []
+    mean = sum(ratios) / len(ratios)
+    return [(f"row 1: mean of TRL / rlmesh over {len(ratios)} seeds", float("nan"), float("nan"), mean, ">= 2", "",
+             "trl_vs_rlmesh", 0.0)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
     p.add_argument("--only", default="", help="comma-separated benchmarks to run (default: all)")
+    p.add_argument("--real-model", action="store_true",
+                   help=f"the performance issue's rows 1-5 on the real-model demo ({DEMO}, {MODEL}, the dtype "
+                        "`rlmesh up` chooses here; about two and a half hours on 2 cores) instead of the default set")
+    p.add_argument("--seeds", default="0,1,2", help="--real-model: row 1's seeds")
     args = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     skip, only = set(filter(None, args.skip.split(","))), set(filter(None, args.only.split(",")))
     rows, failures = [], []
-    for name, (extra, reader) in BENCHES.items():
-        script = REPO / "bench" / f"{name}.py"
+    if args.real_model:
+        sys.path.insert(0, str(REPO))
+        from rlmesh.services.precision import resolve_param_dtype
+
+        benches = real_model_benches(resolve_param_dtype("auto"), [int(x) for x in args.seeds.split(",")])
+    else:
+        benches = {name: (name, extra, reader) for name, (extra, reader) in BENCHES.items()}
+    for name, (script_name, extra, reader) in benches.items():
+        script = REPO / "bench" / f"{script_name}.py"
         if name in skip or (only and name not in only) or not script.is_file():
             continue
         out = OUT / f"{name}.json"
-        print(f"== {name}", flush=True)
+        print(f"== {name} ({time.strftime('%H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.1f})", flush=True)
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, str(script), "--json", str(out), *extra], cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         if proc.returncode != 0:
             failures.append(name)
             continue
-        result = json.loads(out.read_text())
         reader = reader or {"async_vs_sync": _rows_async, "reward_throughput": _rows_reward,
                              "trl_vs_rlmesh": _rows_trl, "long_generation": _rows_long}[name]
-        rows += [(*row, name, time.monotonic() - t0) for row in reader(result)]
+        try:
+            rows += [(*row, name, time.monotonic() - t0) for row in reader(json.loads(out.read_text()))]
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # the JSON stays in bench/results/
+            print(f"{name}: its result {out} could not be read into the table ({type(e).__name__}: {e})")
+            failures.append(name)
+        print(f"== {name} took {time.monotonic() - t0:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    rows += _row1_mean(rows) if args.real_model else []
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-             f"{platform.python_implementation()} {platform.python_version()}",
+             f"{platform.python_implementation()} {platform.python_version()}", "cpu": _cpu_model(),
+             "commit": _commit(), "suite": "real-model" if args.real_model else "default",
              "rows": [dict(zip(("what", "measured", "baseline", "ratio", "target", "unit", "bench"), r)) for r in rows],
              "failed": failures}
     (OUT / "table.json").write_text(json.dumps(table, indent=2))
@@ -134,6 +207,19 @@ def main() -> None:
         print(f"failed: {', '.join(failures)}")
     _plot(table, OUT / "table.png")
     print(f"table: {OUT / 'table.json'}, chart: {OUT / 'table.png'}")
+
+
+def _cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
 
 
 def _plot(table: dict, path: Path) -> None:

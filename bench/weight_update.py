@@ -64,14 +64,15 @@ for _ in range(spec["rounds"]):
 
 ENGINE_RELOAD = """
 import glob, json, os, sys, time
+import torch
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process, to time its reload
 from safetensors.torch import load_file
 from vllm import LLM
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 model_dir, rounds = sys.argv[1], int(sys.argv[2])
-llm = LLM(model=model_dir, max_model_len=128, enforce_eager=True, dtype="float32")
+llm = LLM(model=model_dir, max_model_len=128, enforce_eager=True, dtype=sys.argv[3])
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-named = [(k, v.mul(1.001)) for f in sorted(glob.glob(model_dir + "/*.safetensors")) for k, v in load_file(f).items()]
+named = [(k, v.to(getattr(torch, sys.argv[3])).mul(1.001)) for f in sorted(glob.glob(model_dir + "/*.safetensors")) for k, v in load_file(f).items()]
 times = []
 for _ in range(rounds + 1):  # the first warms up
     t0 = time.perf_counter()
@@ -83,11 +84,11 @@ print("RELOAD_S " + json.dumps(times[1:]))
 """
 
 
-def engine_reload(model_dir: Path, rounds: int) -> list[float]:
+def engine_reload(model_dir: Path, rounds: int, dtype: str) -> list[float]:
     """vLLM's own layerwise reload of the model's weights from memory, in a process of its own with
     no transfer and nothing else running: what the engine costs per update whatever the transport
     (on CPU: each layer materialized, loaded, and its GEMM weights repacked for oneDNN)."""
-    out = subprocess.run([sys.executable, "-c", ENGINE_RELOAD, str(model_dir), str(rounds)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-c", ENGINE_RELOAD, str(model_dir), str(rounds), dtype], cwd=REPO,
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     lines = [line for line in out.stdout.splitlines() if line.startswith("RELOAD_S ")]
@@ -132,8 +133,8 @@ def raw_broadcaster(named, rounds: int, tmp: Path):
 
 
 async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path, digests: list[str],
-                         config: dict | None = None, snapshots: tuple[bool, ...] = (True, False)
-                         ) -> tuple[list[float], dict[str, list[dict]]]:
+                         config: dict | None = None, snapshots: tuple[bool, ...] = (True, False),
+                         dtype: str = "float32") -> tuple[list[float], dict[str, list[dict]]]:
     """Each round: one raw broadcast of `named`, then one update of `source` (the same bytes) per
     digest algorithm and snapshot setting (interleaved, so a change in the machine's load hits all
     sides alike; each setting keeps its broadcaster, so a snapshot's buffers are reused). Each
@@ -147,7 +148,7 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
     async def run_torch(fn, *args):
         return await asyncio.to_thread(fn, *args)
 
-    async with rollout_harness(model_dir, tmp, rollout={"max_model_len": 128, "kv_cache_gib": 1},
+    async with rollout_harness(model_dir, tmp, rollout={"max_model_len": 128, "kv_cache_gib": 1, "dtype": dtype},
                                config=config) as h:
         raw_send, raw_close = raw_broadcaster(named, rounds + 1, tmp)
         version = 0
@@ -270,7 +271,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="tiny,100m",
                    help="full-weight rows: tiny, 100m, or an HF model directory (e.g. models/smollm2-135m-instruct, "
-                        "the real-model demo's; float32 on both sides, as the demo runs); '' for none")
+                        "the real-model demo's); '' for none")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the weights' dtype on both sides (the learner sends its compute dtype; the demo's is "
+                        "bfloat16 where this machine computes it faster, `rlmesh up` says which)")
     p.add_argument("--lora", default="100m:16", help="LoRA rows as size:rank (comma-separated); '' for none")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--digests", default="blake3,sha256", help="weight_sync.digest_algorithm values to measure")
@@ -300,7 +304,7 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix=f"rlmesh-wu-{size}-"))
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
         with torch.no_grad():
             for param in model.parameters():
                 param.mul_(1.001)
@@ -310,9 +314,9 @@ def main() -> None:
         named = [(n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, WeightSource.of(named), args.rounds, tmp,
-                                                    digests, snapshots=snapshots))
-        reloads = engine_reload(model_dir, args.rounds)
-        facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes,
+                                                    digests, snapshots=snapshots, dtype=args.dtype))
+        reloads = engine_reload(model_dir, args.rounds, args.dtype)
+        facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes, "dtype": args.dtype,
                  "pass_s": pass_costs(nbytes, digests), "engine_reload_s": median(reloads),
                  "engine_reload_all_s": reloads}
         results.update({f"{size}/{a}": row for a, row in summarize(raw, by_digest, **facts).items()})
