@@ -112,7 +112,7 @@ def real_model_benches(dtype: str, seeds: list[int]) -> dict[str, tuple[str, lis
                                                       "--micro-batch-size", "8", "--steps", "2"], lambda r: [
             (f"row 2: learner step vs plain PyTorch loop (SmolLM2-135M, {dtype}, 8 x 8, 1 thread each)",
              r["learner_1rank"]["tokens_per_s"], r["plain"]["tokens_per_s"], r["ratio_vs_plain"], ">= 0.9", "train tok/s"),
-            (f"row 2: learner MFU ({6e-9 * r['parameters'] * r['learner_1rank']['tokens_per_s']:.0f} of "
+            (f"row 2: learner MFU ({r['learner_1rank']['flops_per_s'] / 1e9:.0f} of "
              f"{r['peak_flops_1thread'] / 1e9:.0f} GFLOP/s, one-thread {dtype} matmul peak); plain loop as baseline",
              r["learner_1rank"]["mfu"], r["plain"]["mfu"], r["learner_1rank"]["mfu"], "—", "fraction")]),
         "rollout_throughput": ("rollout_throughput", ["--model", MODEL, "--dtype", dtype, "--groups", "16", "--n", "8",
@@ -138,7 +138,7 @@ def real_model_benches(dtype: str, seeds: list[int]) -> dict[str, tuple[str, lis
 
 def _rows_placement(r: dict) -> list[tuple]:
     """Each run's measured step against the step its placement allows (its bound)."""
-    return [(f"row 5: {x['placement']} k={x['k']}: step vs its bound ({1000 * x['loop_s'] / max(x['trained_tokens'], 1):.0f} "
+    return [(f"row 5: {x['placement']} k={x['k']}: step vs its bound ({x['ms_per_trained_token']:.0f} "
              f"ms/trained token, acc {x['first_accuracy']:.2f} -> {x['final_accuracy']:.2f})",
              x["span_step_s"], x["bound_step_s"] or float("nan"), x["span_step_s"] / x["bound_step_s"]
              if x["bound_step_s"] else float("nan"), "~1", "s") for x in r["runs"]]
