@@ -14,7 +14,8 @@ long tail (--long-tail, instead of the rows above): completions of 16..1,024 tok
           (learner.max_tokens_per_micro_batch), 1 rank each, and the ratio (target >= 1.5).
 real model (--model DIR, e.g. models/smollm2-135m-instruct; --dtype float32|bfloat16): the plain
           loop and the learner's step, 1 rank, on that model (bfloat16: FSDP2's bf16 compute with
-          float32 master weights vs autocast in the plain loop), and each one's training FLOP/s
+          float32 master weights vs autocast in the plain loop), each in a process of its own, one timed
+          step of each in turn with the order swapped every round (--steps rounds), and each one's training FLOP/s
           (6 x parameters x tokens) as a fraction of this CPU's measured matmul peak on one thread
           in that dtype (MFU); with --shared-prompt-row-tokens N, also the learner's step with each
           prompt once per row (learner.shared_prompt_row_tokens=N) and its ratio to the step above.
@@ -128,7 +129,8 @@ def time_learner(model_dir: Path, args) -> dict:
     return {"step_s": elapsed, "tokens_per_s": num_tokens(seqs) / elapsed, "world_size": trainer.world_size}
 
 
-def time_plain_pytorch(model_dir: Path, args) -> dict:
+def plain_pytorch(model_dir: Path, args):
+    """The plain loop's step as a function, and the sequences it trains on."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -162,12 +164,83 @@ def time_plain_pytorch(model_dir: Path, args) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
+    return step, seqs
+
+
+def time_plain_pytorch(model_dir: Path, args) -> dict:
+    step, seqs = plain_pytorch(model_dir, args)
     step()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
     elapsed = (time.perf_counter() - t0) / args.steps
     return {"step_s": elapsed, "tokens_per_s": num_tokens(seqs) / elapsed}
+
+
+def step_server(side: str, model_dir: Path, args) -> None:
+    """One side of `interleaved` in a process of its own: load, warm up, then one timed step for each
+    line read from stdin, its seconds written back as a line; the training tokens of a step first."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the libraries print goes to stderr; stdout carries only the replies
+    if side == "plain":
+        step, seqs = plain_pytorch(model_dir, args)
+        trainer = None
+    else:
+        from rlmesh.learner.train.trainer import Trainer
+
+        # A world of one in this process: the same backend and step a 1-rank torchrun job runs.
+        trainer = Trainer(config_for(model_dir, args.micro_batch_size, args.override, args.dtype), str(model_dir), pad_id=0)
+        seqs = trainer.objective.sequences(make_groups(args.groups, args.n, args.prompt_len, args.completion_len,
+                                                       vocab_of(model_dir)))
+        step = lambda: trainer.step(seqs, 1e-4)  # noqa: E731
+    step()  # warm-up
+    out.write(f"{num_tokens(seqs)}\n")
+    for _ in sys.stdin:
+        t0 = time.perf_counter()
+        step()
+        out.write(f"{time.perf_counter() - t0}\n")
+    if trainer is not None:
+        trainer.stop()
+
+
+def interleaved(model_dir: Path, args) -> tuple[dict, dict]:
+    """The plain loop and the learner's step, each in a process of its own, one timed step of each in
+    turn with the order swapped every round (ABBA), so a drift in the machine's speed over the run
+    falls on both sides alike; only one side computes at a time."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    names = ("plain", "learner_1rank")
+    procs = {name: subprocess.Popen([sys.executable, __file__, "--step-server", name, str(model_dir), *sys.argv[1:]],
+                                    cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for name in names}
+    try:
+        tokens = {}
+        for name in names:  # both loaded and warmed up (one after the other: one computes at a time)
+            line = procs[name].stdout.readline()
+            if not line:
+                raise SystemExit(f"the {name} side failed while loading (its output is above)")
+            tokens[name] = int(line)
+        assert tokens["plain"] == tokens["learner_1rank"], "both sides must train the same tokens"
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(args.steps):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                procs[name].stdin.write("step\n")
+                procs[name].stdin.flush()
+                line = procs[name].stdout.readline()
+                if not line:
+                    raise SystemExit(f"the {name} side failed in step {i + 1} (its output is above)")
+                times[name].append(float(line))
+                print(f"step {i + 1}/{args.steps} {name}: {times[name][-1]:.1f} s", flush=True)
+    finally:
+        for proc in procs.values():
+            proc.stdin.close()
+        for proc in procs.values():
+            proc.wait(timeout=120)
+    results = []
+    for name in names:
+        step_s = sum(times[name]) / len(times[name])
+        results.append({"step_s": step_s, "tokens_per_s": tokens[name] / step_s, "steps_s": times[name]})
+    results[1]["world_size"] = 1
+    return results[0], results[1]
 
 
 def torchrun_learner(model_dir: Path, nproc: int, args, tmp: Path, overrides: tuple[str, ...] = ()) -> dict:
@@ -205,6 +278,7 @@ def parse(argv=None):
     p.add_argument("--shared-prompt-row-tokens", type=int, default=0, metavar="N",
                    help="real model: also time the learner step with learner.shared_prompt_row_tokens=N")
     p.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--step-server", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="an rlmesh config override for both sides, e.g. algorithm.recompute_old_logprobs=true")
     return p.parse_known_args(argv)[0]
@@ -212,6 +286,9 @@ def parse(argv=None):
 
 def main() -> None:
     args = parse(json.loads(os.environ["BENCH_WORKER_ARGV"]) if "BENCH_WORKER_ARGV" in os.environ else None)
+    if args.step_server:
+        step_server(args.step_server[0], Path(args.step_server[1]), args)
+        return
     if args.worker:
         result = time_learner(Path(args.worker[0]), args)
         if result:
@@ -274,9 +351,8 @@ def real_model(model_dir: Path, args) -> None:
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).parameters())
     peak = matmul_peak_flops(args.dtype)
+    plain, one = interleaved(model_dir, args)
     with tempfile.TemporaryDirectory() as tmp_name:
-        plain = time_plain_pytorch(model_dir, args)
-        one = torchrun_learner(model_dir, 1, args, Path(tmp_name))
         n = args.shared_prompt_row_tokens
         shared = torchrun_learner(model_dir, 1, args, Path(tmp_name), (f"learner.shared_prompt_row_tokens={n}",)) if n else None
     print(f"model: {model_dir.name} ({params / 1e6:.1f} M parameters), {args.dtype}; batch {args.groups}x{args.n} "

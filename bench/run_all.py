@@ -109,7 +109,7 @@ def real_model_benches(dtype: str, seeds: list[int]) -> dict[str, tuple[str, lis
     benches = {
         "learner_throughput": ("learner_throughput", ["--model", MODEL, "--dtype", dtype, "--groups", "8", "--n", "8",
                                                       "--prompt-len", "64", "--completion-len", "128",
-                                                      "--micro-batch-size", "8", "--steps", "2"], lambda r: [
+                                                      "--micro-batch-size", "8", "--steps", "4"], lambda r: [
             (f"row 2: learner step vs plain PyTorch loop (SmolLM2-135M, {dtype}, 8 x 8, 1 thread each)",
              r["learner_1rank"]["tokens_per_s"], r["plain"]["tokens_per_s"], r["ratio_vs_plain"], ">= 0.9", "train tok/s"),
             (f"row 2: learner MFU ({r['learner_1rank']['flops_per_s'] / 1e9:.0f} of "

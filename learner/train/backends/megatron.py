@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from rlmesh.learner.train.backends import megatron_cpu_shim
-from rlmesh.learner.train.backends.base import LossFn
+from rlmesh.learner.train.backends.base import LossFn, scaled
 from rlmesh.learner.train.batch import MicroBatch
 from rlmesh.learner.train.distributed import init_distributed
 from rlmesh.services.weights.wire import TensorMeta
@@ -315,7 +315,7 @@ class MegatronBackend:
         def loss_func(micro: MicroBatch, logits_BTV: torch.Tensor):
             mb, mt = micro.input_ids_BT.shape
             # Causal attention with right padding: the real tokens' logits ignore the padding.
-            logits = logits_BTV[:mb, : mt - 1].float() / temperature
+            logits = scaled(logits_BTV[:mb, : mt - 1].float(), temperature)
             targets = micro.input_ids_BT[:, 1:].to(self.device)
             logprobs_BT = -vocab_parallel_cross_entropy(logits, targets)
             return on_logprobs(micro, logprobs_BT), torch.tensor(1, dtype=torch.int), {}
