@@ -269,7 +269,9 @@ def parse(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--completion-len", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed steps a side, after one warm-up step (with --model: rounds of one step of each side, "
+                        "the order swapped every round; an even number puts each side first equally often)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--no-megatron", action="store_true", help="leave out the Megatron-core rows")
     p.add_argument("--long-tail", action="store_true",
