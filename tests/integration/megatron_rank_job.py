@@ -35,22 +35,26 @@ def check_round_trip(backend, model_dir: Path) -> list[str]:
 
 
 def check_logprobs(backend, seqs, model_dir: Path, micro_batch_size: int) -> float:
-    """Max |Megatron - HF| logprob over real tokens of this rank's micro-batches (every rank runs)."""
+    """Max |Megatron - HF| logprob over real tokens of this rank's micro-batches, at temperatures 1 and
+    0.7 (every rank runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from rlmesh.learner.train.batch import plan_step
 
     micros = plan_step(seqs, micro_batch_size, 0, backend.dp_rank, backend.dp_size)
-    got = [backend.compute_logprobs(m, 1.0) for m in micros]
+    temperatures = (1.0, 0.7)
+    got = {t: [backend.compute_logprobs(m, t) for m in micros] for t in temperatures}
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     worst = 0.0
     with torch.no_grad():
-        for m, lp in zip(micros, got):
+        for i, m in enumerate(micros):
             logits = hf(input_ids=m.input_ids_BT, attention_mask=m.attention_mask_BT).logits[:, :-1]
-            want = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), m.input_ids_BT[:, 1:], reduction="none")
             real = m.attention_mask_BT[:, 1:].bool()
-            worst = max(worst, float((lp - want)[real].abs().max()))
+            for t in temperatures:
+                want = -torch.nn.functional.cross_entropy(logits.transpose(1, 2) / t, m.input_ids_BT[:, 1:],
+                                                          reduction="none")
+                worst = max(worst, float((got[t][i] - want)[real].abs().max()))
     return worst
 
 

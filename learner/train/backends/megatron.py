@@ -315,7 +315,10 @@ class MegatronBackend:
         def loss_func(micro: MicroBatch, logits_BTV: torch.Tensor):
             mb, mt = micro.input_ids_BT.shape
             # Causal attention with right padding: the real tokens' logits ignore the padding.
-            logits = scaled(logits_BTV[:mb, : mt - 1].float(), temperature)
+            # A fresh contiguous float32 tensor: Megatron's vocab-parallel cross entropy views its input
+            # and subtracts the row maximum from it in place (the model's own logits must stay as they are).
+            logits = scaled(logits_BTV[:mb, : mt - 1].to(torch.float32, memory_format=torch.contiguous_format,
+                                                           copy=True), temperature)
             targets = micro.input_ids_BT[:, 1:].to(self.device)
             logprobs_BT = -vocab_parallel_cross_entropy(logits, targets)
             return on_logprobs(micro, logprobs_BT), torch.tensor(1, dtype=torch.int), {}
