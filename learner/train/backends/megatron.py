@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from rlmesh.learner.train.backends import megatron_cpu_shim
-from rlmesh.learner.train.backends.base import LossFn, scaled
+from rlmesh.learner.train.backends.base import LossFn
 from rlmesh.learner.train.batch import MicroBatch
 from rlmesh.learner.train.distributed import init_distributed
 from rlmesh.services.weights.wire import TensorMeta
@@ -315,10 +315,11 @@ class MegatronBackend:
         def loss_func(micro: MicroBatch, logits_BTV: torch.Tensor):
             mb, mt = micro.input_ids_BT.shape
             # Causal attention with right padding: the real tokens' logits ignore the padding.
-            # A fresh contiguous float32 tensor: Megatron's vocab-parallel cross entropy views its input
-            # and subtracts the row maximum from it in place (the model's own logits must stay as they are).
-            logits = scaled(logits_BTV[:mb, : mt - 1].to(torch.float32, memory_format=torch.contiguous_format,
-                                                           copy=True), temperature)
+            # A new float32 tensor either way: Megatron's vocab-parallel cross entropy views its input and
+            # subtracts the row maximum from it in place (the model's own logits must stay as they are).
+            real_BTV = logits_BTV[:mb, : mt - 1]
+            logits = (real_BTV.float() / temperature if temperature != 1.0 else
+                      real_BTV.to(torch.float32, memory_format=torch.contiguous_format, copy=True))
             targets = micro.input_ids_BT[:, 1:].to(self.device)
             logprobs_BT = -vocab_parallel_cross_entropy(logits, targets)
             return on_logprobs(micro, logprobs_BT), torch.tensor(1, dtype=torch.int), {}
