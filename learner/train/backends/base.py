@@ -17,12 +17,6 @@ if TYPE_CHECKING:
 LossFn = Callable[["torch.Tensor", "MicroBatch"], "tuple[torch.Tensor, dict[str, float]]"]
 
 
-def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits at the sampling temperature. At 1 the division is skipped: over [B, T, vocab] it is a
-    pass over the step's largest tensor forward and again backward (~2% of a SmolLM2 step on a CPU)."""
-    return logits if temperature == 1.0 else logits / temperature
-
-
 class TrainingBackend(Protocol):
     rank: int
     world_size: int
