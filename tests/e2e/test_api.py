@@ -39,13 +39,14 @@ def test_example_script_trains_the_demo_with_its_own_reward_function(tmp_path):
     before, after = map(float, re.findall(r"^held-out accuracy: ([\d.]+) -> ([\d.]+)$", script.output(), re.M)[-1])
     # Learning is judged on the train reward, the mean of 256 samples a step: the 20 held-out prompts
     # move in steps of 0.05 and swing by 0.15 between evaluations of one run (0.95 at step 30, 0.80 at
-    # step 40, measured), so held-out accuracy is asked only not to fall.
+    # step 40, measured), so held-out accuracy is asked only not to fall by more than that swing (the
+    # Slurm job's like check failed CI on 0.70 -> 0.65, one prompt, on 2026-11-29).
     (run_dir,) = (tmp_path / "runs").iterdir()
     train = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     first, last = (sum(r["reward_mean"] for r in rows) / len(rows) for rows in (train[:4], train[-4:]))
     print(f"train reward {first:.2f} -> {last:.2f}; held-out accuracy {before:.2f} -> {after:.2f}")
     assert len(train) == 20 and last >= first + 0.2, f"train reward {first:.2f} -> {last:.2f}: less than +0.2"
-    assert after >= before, f"held-out accuracy fell: {before:.2f} -> {after:.2f}"
+    assert after >= before - 0.15, f"held-out accuracy fell by more than its swing: {before:.2f} -> {after:.2f}"
     # The reward server scored with the script's function, under the name train() gave it.
     resolved = (run_dir / "config.resolved.yaml").read_text()
     assert "reward_fn: train_api:exact_answer" in resolved and "env_name: reward_fn" in resolved
