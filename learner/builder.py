@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -27,6 +28,7 @@ from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.membership import LearnerService, Membership
 from rlmesh.learner.reader import TrajectoryReader, mark_queues
 from rlmesh.learner.validation import Bounds
+from rlmesh.learner.watch import STALLED_EXIT, RunStalled, StallWatch, failure_limit, zero_signal_limit
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc
 from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, load_token
 from rlmesh.services.grpc_server import ServerLimits, start_server
@@ -112,12 +114,16 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     # Which trajectory groups each version was trained on: the audit trail for exactly-once.
     trained_log = MetricsWriter(run_dir, "trained_groups.jsonl")
     dropped_log = MetricsWriter(run_dir, "dropped_groups.jsonl")
+    watch = StallWatch(metrics, failure_limit=failure_limit(cfg.learner),
+                       zero_signal_limit=zero_signal_limit(cfg.learner),
+                       stop_on_zero_signal=cfg.learner.stall.on_zero_signal == "stop",
+                       log_hint=str(run_dir / "logs" / "{tier}.log"))
     admission = Admission(trajectories, dropped_log, max_staleness=cfg.algorithm.max_staleness,
                           drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
                           on_returned=issuer.returned, issued=issuer.issued, bounds=bounds(cfg, model_path),
-                          issued_before_restart=issuer.issued_before_restart)
+                          issued_before_restart=issuer.issued_before_restart, watch=watch)
     reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
-                              membership=membership, metrics=metrics)
+                              membership=membership, metrics=metrics, watch=watch)
     evaluator = Evaluator(eval_set, issuer, trajectories, metrics, check=admission.check,
                           pass_k=cfg.learner.eval_pass_k, num_samples=cfg.learner.eval_num_samples)
     controller = Controller(cfg, run_dir, Components(
@@ -213,6 +219,10 @@ def main(config: RunConfig, args: argparse.Namespace) -> int:
     require_model_path(config)
     if int(os.environ.get("RANK", "0")) != 0:
         follow(config)
-    else:
+        return 0
+    try:
         uvloop.run(run(config, args))
+    except RunStalled as err:  # already in the log and the metrics (an alert row rlmesh up prints)
+        print(f"rlmesh learner: {err}", file=sys.stderr, flush=True)
+        return STALLED_EXIT
     return 0

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rlmesh.learner.issuer import PromptIssuer
     from rlmesh.learner.membership import Membership
     from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.watch import StallWatch
     from rlmesh.services.queue import StreamQueue
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,13 @@ async def mark_queues(prompts: StreamQueue, trajectories: StreamQueue, run_id: s
 
 class TrajectoryReader:
     def __init__(self, prompts: StreamQueue, trajectories: StreamQueue, *, run_id: str, issuer: PromptIssuer,
-                 admission: Admission, membership: Membership, metrics: MetricsWriter) -> None:
+                 admission: Admission, membership: Membership, metrics: MetricsWriter,
+                 watch: StallWatch | None = None) -> None:
+        from rlmesh.learner.watch import DeadLetters
+
         self.prompts, self.trajectories, self.run_id = prompts, trajectories, run_id
         self.issuer, self.admission, self.membership, self.metrics = issuer, admission, membership, metrics
+        self.watch, self.dead_letters = watch, DeadLetters(prompts)
         self._group_recreations = 0
         self._last_queue_check = self._last_arrival = self._last_wait_log = time.monotonic()
 
@@ -57,6 +62,7 @@ class TrajectoryReader:
         if time.monotonic() - self._last_queue_check > 1.0:
             self._last_queue_check = time.monotonic()
             await self._check_queue(version)
+            await self._check_rejected()
         entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
         out = await self._decode(entries)
         now = time.monotonic()
@@ -115,6 +121,17 @@ class TrajectoryReader:
             except DecodeError:
                 await self.trajectories.ack(entry.id)
         return out
+
+    async def _check_rejected(self) -> None:
+        """Prompt groups of this run that a rollout server rejected (dead-lettered) are not coming
+        back: they leave the in-flight count, and the stall watch hears why."""
+        for group_id, by, reason in await self.dead_letters.poll():
+            if group_id not in self.issuer.outstanding:
+                continue  # another run's, or one already accounted for
+            self.issuer.returned(group_id)
+            log.error("prompt group %s rejected by rollout server %s: %s", group_id, by, reason)
+            if self.watch is not None:
+                self.watch.failed(f"rollout server {by}", reason)
 
     async def _check_queue(self, version: int) -> None:
         """Detect a queue server that came back empty (its run marker or a consumer group is gone):

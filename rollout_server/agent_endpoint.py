@@ -48,7 +48,6 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlmesh.rollout_server.episode import EpisodeTrace, trace_sample
-from rlmesh.services.domain.chat import ChatCodec
 from rlmesh.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -195,7 +194,7 @@ class AgentEndpoint:
         self.generator, self.cfg, self.tls = generator, cfg, tls
         self.max_total = min(cfg.max_total_tokens or rollout.max_model_len, rollout.max_model_len)
         self.max_tokens = cfg.max_tokens or rollout.max_tokens
-        self.codec = ChatCodec(generator.tokenizer)
+        self.codec = generator.codec
         self.model_name = Path(generator.model_path).name
         self._episodes: dict[bytes, AgentEpisode] = {}
         self._runner: web.AppRunner | None = None

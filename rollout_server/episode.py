@@ -31,7 +31,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.v1 import common_pb2, reward_pb2
-from rlmesh.services.domain.chat import ChatCodec, as_dicts
+from rlmesh.services.domain.chat import as_dicts
 from rlmesh.rollout_server.reward_client import UNREACHABLE
 from rlmesh.services.grpc_client import rpc_problem
 from rlmesh.services.retry import retry
@@ -91,7 +91,7 @@ class EpisodeRunner:
     def __init__(self, generator: VLLMGenerator, pool: RewardPool, cfg: EpisodeSection, max_model_len: int) -> None:
         self.generator, self.pool, self.cfg = generator, pool, cfg
         self.max_total = min(cfg.max_total_tokens or max_model_len, max_model_len)
-        self.codec = ChatCodec(generator.tokenizer)
+        self.codec = generator.codec
         self.num_failed = 0
 
     async def run_group(self, group: common_pb2.PromptGroup) -> tuple[list[int], list[common_pb2.Sample]]:

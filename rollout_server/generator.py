@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlmesh.services.domain.chat import ChatCodec, as_dicts
+from rlmesh.services.domain.chat import PromptCodec, as_dicts, make_codec
 from rlmesh.v1 import common_pb2
 from rlmesh.services.affinity import pin_to_cores
 
 if TYPE_CHECKING:
     from rlmesh.rollout_server.lora import ServedAdapter
-    from rlmesh.services.config import RolloutSection
+    from rlmesh.services.config import PromptSection, RolloutSection
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,11 @@ class BusyClock:
 
 class VLLMGenerator:
     def __init__(self, model_path: str, cfg: RolloutSection, seed: int, weight_backend: str,
-                 adapter: ServedAdapter | None = None, *, placeholder: bool = False) -> None:
+                 adapter: ServedAdapter | None = None, *, placeholder: bool = False,
+                 prompt: PromptSection | None = None) -> None:
         self.model_path, self.cfg, self.seed, self.weight_backend = model_path, cfg, seed, weight_backend
+        self.prompt = prompt  # the run's prompt format (unset: the chat template where there is one)
+        self._codec: PromptCodec | None = None
         # learner.lora: the base model plus the learner's adapter, a new one per version (rollout_server.lora).
         self.adapter = adapter
         # Placeholder weights (`rlmesh up` loads the model from before the SFT warm start while SFT
@@ -158,6 +161,7 @@ class VLLMGenerator:
 
         self._rpc_dir = configure_vllm_env(self.cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        log.info("prompt format: %s", self.codec.format)  # a template the model lacks fails here, before vLLM loads
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=self.cfg.dtype,
@@ -215,6 +219,13 @@ class VLLMGenerator:
             raise
         log.info("warmed up on the placeholder weights in %.1fs", time.monotonic() - t0)
 
+    @property
+    def codec(self) -> PromptCodec:
+        """How this server renders prompts and environment turns (the run's `prompt` section)."""
+        if self._codec is None:
+            self._codec = make_codec(self.tokenizer, self.prompt)
+        return self._codec
+
     def prompt_token_ids(self, group: common_pb2.PromptGroup) -> list[int]:
         if group.messages and group.prompt_tokens.token_ids:
             raise ValueError(f"group {group.group_id}: set either messages or prompt_tokens, not both")
@@ -222,7 +233,7 @@ class VLLMGenerator:
             return list(group.prompt_tokens.token_ids)
         if not group.messages:
             raise ValueError(f"group {group.group_id}: has neither messages nor prompt_tokens")
-        return ChatCodec(self.tokenizer).prompt(as_dicts(group.messages), None)
+        return self.codec.prompt(as_dicts(group.messages), None)
 
     def sampling_params(self, group: common_pb2.PromptGroup, index: int, *, max_tokens: int | None = None,
                         turn: int = 0):
@@ -240,7 +251,7 @@ class VLLMGenerator:
             top_p=o.top_p if o.HasField("top_p") else self.cfg.top_p,
             top_k=o.top_k if o.HasField("top_k") else 0,
             max_tokens=cap if max_tokens is None else min(cap, max_tokens),
-            stop=list(o.stop) or None,
+            stop=list(o.stop) or (list(self.prompt.stop) if self.prompt else None) or None,
             seed=seed,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,

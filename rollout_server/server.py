@@ -140,7 +140,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
 
     config = resolve_precision(config)  # rollout.dtype=learner: serve in the learner's compute dtype
     generator = VLLMGenerator(placeholder or model_path(config), config.rollout, config.run.seed, receiver.engine,
-                              adapter, placeholder=bool(placeholder))
+                              adapter, placeholder=bool(placeholder), prompt=config.prompt)
     if config.logging.metrics_port is not None:
         from rlmesh.rollout_server.prom import engine_stats_logger
 

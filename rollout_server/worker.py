@@ -181,7 +181,7 @@ class RolloutWorker:
 
     async def _dead_letter(self, entry: Entry, reason: str) -> None:
         log.error("prompt entry %s (key %s) rejected: %s", entry.id, entry.key, reason)
-        await self.prompts.dead_letter(entry, reason)
+        await self.prompts.dead_letter(entry, reason, by=self.consumer)
 
     async def stop(self) -> None:
         self._keepalive_stop.set()

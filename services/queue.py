@@ -266,11 +266,24 @@ class StreamQueue:
 
         return await self._call("ack", op)
 
-    async def dead_letter(self, entry: Entry, reason: str) -> None:
-        """Move `entry` to the stream's dead-letter stream (`<stream>:dead`) with `reason`, and ack it."""
+    async def dead_letter(self, entry: Entry, reason: str, by: str = "") -> None:
+        """Move `entry` to the stream's dead-letter stream (`<stream>:dead`) with `reason` and the
+        consumer that rejected it (`by`), and ack it."""
         await self._call("dead-letter", lambda: self.client.xadd(
-            f"{self.stream}:dead", {"key": entry.key, "data": entry.data, "reason": reason}))
+            f"{self.stream}:dead", {"key": entry.key, "data": entry.data, "reason": reason[:2000], "by": by[:200]}))
         await self.ack(entry.id)
+
+    async def read_dead_letters(self, after: str, count: int = 256) -> list[tuple[str, dict[str, str]]]:
+        """Entries of the dead-letter stream after id `after` ("0-0": all), without their data:
+        (id, {key, reason, by})."""
+        reply = await self._call("read dead letters", lambda: self.client.xread(
+            {f"{self.stream}:dead": after}, count=count))
+        out = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                out.append((entry_id.decode(), {k.decode(): fields[k].decode(errors="replace")
+                                                for k in (b"key", b"reason", b"by") if k in fields}))
+        return out
 
     def claim_refresher(self, url: str, **options: Any) -> Callable[[str, list[str]], None]:
         """A blocking `refresh(consumer, entry_ids)` that resets the idle time of entries pending on

@@ -31,13 +31,13 @@ from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.data.examples import Example, TrainOrder
 from rlmesh.learner.recipes.offline import stage_metrics, train_offline
 from rlmesh.learner.recipes.sft import prepare_model, run_sft
-from rlmesh.services.domain.chat import ChatCodec
+from rlmesh.services.domain.chat import make_codec
 
 if TYPE_CHECKING:
     import torch
 
     from rlmesh.learner.train.trainer import Trainer
-    from rlmesh.services.config import RunConfig
+    from rlmesh.services.config import PromptSection, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,13 @@ def preference_accuracy(trainer: Trainer, pairs: list[tuple[Sequence, Sequence]]
     return {"preference_accuracy": wins / n, "reward_margin": margin / n}
 
 
-def greedy_match(model_dir: Path | str, examples: list[Example], max_tokens: int) -> float:
+def greedy_match(model_dir: Path | str, examples: list[Example], max_tokens: int,
+                 prompt: PromptSection | None = None) -> float:
     """Fraction of held-out prompts whose greedy completion (HF `generate`) is exactly the chosen
     response: for the arithmetic pairs, held-out accuracy."""
     from rlmesh.learner.recipes.greedy import greedy_completions
 
-    texts = greedy_completions(model_dir, examples, max_tokens)
+    texts = greedy_completions(model_dir, examples, max_tokens, prompt=prompt)
     return sum(text == ex.chosen for text, ex in zip(texts, examples)) / len(examples)
 
 
@@ -115,7 +116,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
         model_dir = prepare_model(config, output)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id
-    objective = DPOObjective(ChatCodec(tokenizer), cfg.beta, cfg.sft_weight)
+    objective = DPOObjective(make_codec(tokenizer, config.prompt), cfg.beta, cfg.sft_weight)
     trainer = Trainer(config, model_dir, objective, lr=cfg.lr, pad_id=pad_id)
     mbs = config.learner.micro_batch_size
     t0 = time.monotonic()
@@ -132,7 +133,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
         metrics.write(record)
         return record
 
-    before = {**evaluate(0), "greedy_match": greedy_match(model_dir, eval_set, max_tokens)}
+    before = {**evaluate(0), "greedy_match": greedy_match(model_dir, eval_set, max_tokens, config.prompt)}
     log.info("before DPO: held-out preference accuracy %.2f, greedy match %.2f",
              before["preference_accuracy"], before["greedy_match"])
     after = train_offline(trainer, train_set, random.Random(config.run.seed), cfg, output=output / "model",
@@ -141,7 +142,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
                           metrics=metrics, evaluate=evaluate, eval_every=cfg.eval_every)
     metrics.close()
     assert after is not None
-    after["greedy_match"] = greedy_match(output / "model", eval_set, max_tokens)
+    after["greedy_match"] = greedy_match(output / "model", eval_set, max_tokens, config.prompt)
     summary = {"num_steps": cfg.num_steps, "beta": cfg.beta, "num_train_pairs": len(train_set),
                "num_eval_pairs": len(eval_set), "before": before, "after": after, "model": str(output / "model")}
     (output / "summary.json").write_text(json.dumps(summary, indent=2))

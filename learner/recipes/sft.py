@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.recipes.offline import stage_metrics, train_offline
-from rlmesh.services.domain.chat import ChatCodec
+from rlmesh.services.domain.chat import make_codec
 from rlmesh.services.config import HFModelSection, LoRASection, RunConfig
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
     model_dir = prepare_model(config, output.parent)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(config.run.seed)
-    objective = SFTObjective(ChatCodec(tokenizer), rng, config.sft.label_noise)
+    objective = SFTObjective(make_codec(tokenizer, config.prompt), rng, config.sft.label_noise)
     # The warm start makes the model that RL then adapts: every weight trains, whatever learner.lora says.
     full = config.model_copy(update={"learner": config.learner.model_copy(update={"lora": LoRASection()})})
     trainer = Trainer(full, model_dir, objective, lr=config.sft.lr, pad_id=tokenizer.pad_token_id,

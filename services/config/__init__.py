@@ -12,6 +12,7 @@ from rlmesh.services.config.model_data import (
     RunSection, TinyModelSection, HFModelSection, ModelSection, ArithmeticDataSection, JsonlDataSection,
     CalculatorDataSection, HFDataSection, DataSection,
 )
+from rlmesh.services.config.prompt import PromptSection
 from rlmesh.services.config.rollout import (
     AgentEndpointSection, EpisodeSection, RolloutSection,
 )
@@ -20,7 +21,7 @@ from rlmesh.services.config.reward import (
     MathEnvironmentSection, RewardSection,
 )
 from rlmesh.services.config.training import (
-    LoRASection, FSDP2BackendSection, MegatronBackendSection, BackendSection, LearnerSection, SFTSection,
+    LoRASection, StallSection, FSDP2BackendSection, MegatronBackendSection, BackendSection, LearnerSection, SFTSection,
     DPOSection, OffPolicySection, KLSection, AlgorithmSection, CheckpointSection,
 )
 from rlmesh.services.config.transport import (
@@ -33,9 +34,9 @@ from rlmesh.services.config.run_config import (
 
 __all__ = [
     "Section", "RunSection", "TinyModelSection", "HFModelSection", "ModelSection", "ArithmeticDataSection",
-    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "DataSection", "EpisodeSection", "AgentEndpointSection",
+    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "DataSection", "PromptSection", "EpisodeSection", "AgentEndpointSection",
     "RolloutSection", "McpEnvironmentSection", "CodeEnvironmentSection", "JudgeEnvironmentSection",
-    "OpenEnvEnvironmentSection", "MathEnvironmentSection", "RewardSection", "LoRASection",
+    "OpenEnvEnvironmentSection", "MathEnvironmentSection", "RewardSection", "LoRASection", "StallSection",
     "FSDP2BackendSection", "MegatronBackendSection", "BackendSection", "LearnerSection", "SFTSection",
     "DPOSection", "OffPolicySection", "KLSection", "AlgorithmSection", "CheckpointSection", "QueueSection",
     "WeightSyncSection", "TLSSection", "LimitsSection", "NetworkSection", "LoggingSection", "RunConfig",

@@ -18,6 +18,7 @@ from rlmesh.services.config.base import Section
 from rlmesh.services.config.model_data import (
     ArithmeticDataSection, DataSection, ModelSection, RunSection, TinyModelSection,
 )
+from rlmesh.services.config.prompt import PromptSection
 from rlmesh.services.config.reward import RewardSection
 from rlmesh.services.config.rollout import RolloutSection
 from rlmesh.services.config.training import AlgorithmSection, CheckpointSection, DPOSection, LearnerSection, SFTSection
@@ -31,6 +32,8 @@ class RunConfig(Section):
     """Policy model."""
     data: DataSection = ArithmeticDataSection()
     """Prompt dataset."""
+    prompt: PromptSection = PromptSection()
+    """How prompts become token ids: the chat template, or plain text for a base model."""
     rollout: RolloutSection = RolloutSection()
     """Rollout servers (vLLM)."""
     reward: RewardSection = RewardSection()

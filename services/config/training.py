@@ -44,6 +44,15 @@ BackendSection = Annotated[
 ]
 
 
+class StallSection(Section):
+    max_failed_groups: int | None = Field(None, ge=1)
+    """Prompt groups in a row that fail (the rollout server rejects the prompt, or every sample's reward errs) with none succeeding in between before the run stops with the error on the console (unset: 2 x learner.groups_per_step, at least 8)."""
+    zero_signal_groups: int | None = Field(None, ge=1)
+    """Groups in a row whose rewards are all equal (no advantage, so nothing to learn) before `on_zero_signal` acts (unset: 8 x learner.groups_per_step, at least 32); a console warning comes at a quarter of it."""
+    on_zero_signal: Literal["stop", "warn"] = "stop"
+    """stop: end the run with the numbers and what to try; warn: say so on the console and go on."""
+
+
 class LearnerSection(Section):
     backend: BackendSection = FSDP2BackendSection()
     """Training backend, chosen by `type` (fsdp2, megatron)."""
@@ -102,6 +111,8 @@ class LearnerSection(Section):
 
     min_generators: int = Field(1, ge=1)
     """Rollout servers that must have registered before the learner issues work."""
+    stall: StallSection = StallSection()
+    """When a run that cannot progress stops, saying why: errors that repeat for every group, and groups with no reward signal."""
     reissue_malformed_after_s: float = Field(600.0, gt=0)
     """Seconds a train group whose copies so far all came back malformed waits for a well-formed one before it is issued again under a fresh id (the old id is retired: a late copy of it is dropped, never trained)."""
     lora: LoRASection = LoRASection()

@@ -12,12 +12,14 @@ from rlmesh.learner.devtools.tiny_model import build_tokenizer
 from rlmesh.rollout_server.agent_endpoint import AgentEndpoint
 from rlmesh.rollout_server.generator import Generation
 from rlmesh.services.config import AgentEndpointSection, RolloutSection
+from rlmesh.services.domain.chat import ChatCodec
 from rlmesh.v1 import common_pb2
 
 
 class SlowGenerator:
     def __init__(self) -> None:
         self.tokenizer, self.version, self.model_path = build_tokenizer("bytes"), 0, "/models/tiny"
+        self.codec = ChatCodec(self.tokenizer)
         self.release = asyncio.Event()
 
     def sampling_params(self, group, index, *, max_tokens=None, turn=0):
