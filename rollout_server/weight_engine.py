@@ -1,6 +1,10 @@
 """vLLM worker-side weight-transfer engine for CPU: receives the learner's gloo broadcast and
 loads it in place with vLLM's layerwise reload, keeping a digest of the bytes it received (in the
-algorithm the learner's UpdateWeights names: BLAKE3, or sha256). Registered
+algorithm the learner's UpdateWeights names: BLAKE3, or sha256). Every update is audited
+(`rlmesh.services.weights.served`): a layer vLLM's reload would leave at its old weights fails the
+update, naming it; with `RLMESH_VERIFY_SERVED_WEIGHTS=1` what the model serves afterwards is also read
+back against vLLM's own load of the received tensors. Names arrive as the learner's transformers model
+holds them and are loaded in checkpoint layout (`rlmesh.services.weights.layout`). Registered
 under `rlmesh.services.weights.gloo.ENGINE` through the `vllm.general_plugins` entry point, so it
 exists in every process vLLM spawns; beside it `ADAPTER_ENGINE`, which receives a LoRA adapter the
 same way and writes it to disk (`rlmesh.rollout_server.lora` serves it). `WorkerDigests` is the
@@ -72,7 +76,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._buffers = None  # wire.WireBuffers: this worker's receive buffers, kept across updates
         self.received_digest = ""
         """Digest of the bytes the last update received (read through `WorkerDigests`)."""
+        self.served_check: dict[str, Any] = {}
+        """The last update's audit and read-back (read through `WorkerDigests`)."""
         self._head_refresh_logged = False
+        self._audit = None  # served.ReloadAudit of the update in progress
+        self._layout = None  # layout.CheckpointLayout of the served model (made on the first update)
+        self._received: list[tuple[str, torch.Tensor]] | None = None  # kept for the read-back, when on
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from rlmesh.services.weights.base import Rendezvous
@@ -90,22 +99,72 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self.received_digest = ""
+        from rlmesh.services.weights.served import ReloadAudit
+
+        self.received_digest, self.served_check, self._received = "", {}, None
         if self.reloads_model:
             initialize_layerwise_reload(self.model)
+            self._audit = ReloadAudit(self.model, self.architecture)
+            self._audit.begin()
 
     def finish_weight_update(self) -> None:
+        """Finalize the reload, then fail the update if any layer kept its old weights (vLLM itself
+        only warns) or, with the read-back on, if what is served differs from vLLM's own load."""
+        if not self.reloads_model:
+            return
+        audit, self._audit = self._audit, None
+        failures = audit.failures() if audit is not None else []
+        self._finalize()
+        self.served_check = {"architecture": self.architecture, "layers_not_reloaded": failures,
+                             "settled": audit.settled if audit is not None else []}
+        if failures:
+            self._received = None
+            err = audit.error(failures)
+            log.error("%s", err)
+            raise err
+        if self._received is not None:
+            self._read_back()
+
+    def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        if self.reloads_model:
-            finalize_layerwise_reload(self.model, self.model_config)
-            if refresh_tied_output_head(self.model) and not self._head_refresh_logged:
-                log.info("output head tied to the input embedding: rebuilt after every update")
-                self._head_refresh_logged = True
+        # Every layer gets kernel tensors back, even after a failed load: the model stays servable.
+        finalize_layerwise_reload(self.model, self.model_config)
+        if refresh_tied_output_head(self.model) and not self._head_refresh_logged:
+            log.info("output head tied to the input embedding: rebuilt after every update")
+            self._head_refresh_logged = True
+
+    def _read_back(self) -> None:
+        import time
+
+        from rlmesh.services.weights.served import ReloadError, reference_model, served_mismatches
+
+        t0 = time.monotonic()
+        reference = reference_model(self.vllm_config, iter(self._received))
+        differ, compared = served_mismatches(self.model, reference)
+        del reference
+        self._received = None
+        self.served_check.update(verified=not differ, served_mismatches=differ[:20], compared=compared,
+                                 read_back_s=round(time.monotonic() - t0, 4))
+        if differ:
+            raise ReloadError(f"weight update into {self.architecture}: {len(differ)} served tensor(s) differ from "
+                              f"vLLM's own load of the received weights, e.g. {', '.join(differ[:5])}")
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.model_config.hf_config, "architectures", None) or [type(self.model).__name__])[0]
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronises an accelerator; on CPU the loads below are already done.
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            if self.reloads_model and self._audit is not None:
+                # vLLM's worker ends the update here without finish_weight_update: put every layer's
+                # tensors back now, or the model is left on the meta device and every request fails.
+                self._audit = None
+                self._finalize()
+            raise
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         from rlmesh.services.weights.gloo import receive
@@ -133,8 +192,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
         """Take the received stream in, to its end (the digest covers all of it): here into the model,
-        in place; `AdapterWeightTransferEngine` writes an adapter instead."""
-        self.model.load_weights(named)
+        in place, in checkpoint names; `AdapterWeightTransferEngine` writes an adapter instead."""
+        from rlmesh.services.weights.layout import CheckpointLayout
+        from rlmesh.services.weights.served import VERIFY_ENV
+        from rlmesh.services.weights.wire import TensorMeta
+
+        if self._layout is None:
+            self._layout = CheckpointLayout(self.model_config.hf_config)
+        self._layout.plan([TensorMeta(n, d, tuple(s)) for n, d, s in
+                           zip(update_info.names, update_info.dtype_names, update_info.shapes)])
+        converted = self._layout.convert(named)
+        if os.environ.get(VERIFY_ENV) == "1":
+            # Kept (views of the receive buffers, valid until the next update) for the read-back.
+            self._received = list(converted)
+            converted = iter(self._received)
+        self.model.load_weights(converted)
 
     def shutdown(self) -> None:
         self._group = None
@@ -201,28 +273,20 @@ def version_dir(root: Path, version: int) -> Path:
 class WorkerDigests:
     """vLLM worker extension (`worker_extension_cls`): lets the rollout server ask every worker,
     through `collective_rpc`, for the digest of what it received ("" for an engine that does not
-    digest, e.g. vLLM's nccl)."""
+    digest, e.g. vLLM's nccl), and for the last update's audit and served-weight read-back."""
 
     def rlmesh_received_digest(self) -> str:
         return getattr(self.weight_transfer_engine, "received_digest", "")
 
-
-class _RotaryCacheReloadFilter(logging.Filter):
-    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" at every update: the
-    rotary cos/sin cache is a buffer no checkpoint carries, and vLLM puts it back as it was (which is
-    right). Only that line is dropped; the same warning for any other layer still shows."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+    def rlmesh_served_check(self) -> dict[str, Any]:
+        """{"architecture", "layers_not_reloaded", "settled"} and, with RLMESH_VERIFY_SERVED_WEIGHTS=1,
+        {"verified", "served_mismatches", "compared", "read_back_s"} of the last update ({} if none)."""
+        return dict(getattr(self.weight_transfer_engine, "served_check", {}))
 
 
 def register() -> None:
     """vLLM general-plugin hook (runs once per process; registering twice is harmless)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _RotaryCacheReloadFilter) for f in layerwise.filters):
-        layerwise.addFilter(_RotaryCacheReloadFilter())
 
     if ENGINE not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(ENGINE, GlooWeightTransferEngine)

@@ -102,13 +102,16 @@ def build_tokenizer(kind: str = "bytes", vocab_size: int = 512, seed: int = 0):
     )
 
 
-def write_tiny_model(spec: TinyModelSection, output: str | Path, *, seed: int = 0) -> Path:
+def write_tiny_model(spec: TinyModelSection, output: str | Path, *, seed: int = 0,
+                     tie_word_embeddings: bool | None = None) -> Path:
     """Write the model to `output`. It is written beside it and renamed into place, so a process
-    waiting for `output` to appear (`rlmesh up`'s rollout servers, during SFT) never reads half of it."""
+    waiting for `output` to appear (`rlmesh up`'s rollout servers, during SFT) never reads half of it.
+    `tie_word_embeddings`: None takes the family's own habit (`TIED_BY_DEFAULT`: Gemma 3 and small
+    Qwen3 tie their output layer to the input embedding, the rest do not)."""
     target = Path(output)
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    _write(spec, staging, seed)
+    _write(spec, staging, seed, tie_word_embeddings)
     if target.is_dir() and not any(target.iterdir()):
         target.rmdir()
     if target.exists():  # an existing model directory: its files are replaced one by one
@@ -120,7 +123,7 @@ def write_tiny_model(spec: TinyModelSection, output: str | Path, *, seed: int = 
     return target
 
 
-def _write(spec: TinyModelSection, out: Path, seed: int) -> None:
+def _write(spec: TinyModelSection, out: Path, seed: int, tie_word_embeddings: bool | None) -> None:
     import torch
     import transformers
 
@@ -141,12 +144,12 @@ def _write(spec: TinyModelSection, out: Path, seed: int) -> None:
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    if spec.arch == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        model_cls = transformers.Qwen2ForCausalLM
+    if spec.arch in ("qwen2", "llama") and tie_word_embeddings is None:
+        # The original two, unchanged: their files stay byte-identical for a given seed.
+        config = (transformers.Qwen2Config if spec.arch == "qwen2" else transformers.LlamaConfig)(**common)
+        model_cls = transformers.Qwen2ForCausalLM if spec.arch == "qwen2" else transformers.LlamaForCausalLM
     else:
-        config = transformers.LlamaConfig(**common)
-        model_cls = transformers.LlamaForCausalLM
+        config, model_cls = _family_config(spec, common, tie_word_embeddings)
     torch.manual_seed(seed)
     model = model_cls(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -156,3 +159,56 @@ def _write(spec: TinyModelSection, out: Path, seed: int) -> None:
     gen = json.loads((out / "generation_config.json").read_text())
     gen["eos_token_id"] = tokenizer.eos_token_id
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+TIED_BY_DEFAULT = frozenset({"gemma3", "qwen3"})
+"""Families whose small checkpoints tie the output layer to the input embedding (Gemma 3 270M,
+Qwen3-0.6B); a tiny model of one of them is tied unless asked otherwise."""
+
+MOE = dict(num_experts=4, num_experts_per_tok=2)
+
+
+def _family_config(spec: TinyModelSection, common: dict, tied: bool | None):
+    """(config, model class) of a tiny model of `spec.arch` beyond the original two. MoE families get
+    4 experts (2 routed per token) of `intermediate_size // 2`; sizes stay a few MB."""
+    import transformers
+
+    arch = spec.arch
+    kw = {**common, "tie_word_embeddings": arch in TIED_BY_DEFAULT if tied is None else tied}
+    head_dim = spec.hidden_size // spec.num_heads
+    moe_width = max(spec.intermediate_size // 2, 8)
+    if arch in ("qwen2", "llama"):
+        cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
+        return cls(**kw), getattr(transformers, f"{'Qwen2' if arch == 'qwen2' else 'Llama'}ForCausalLM")
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**kw, head_dim=head_dim), transformers.Qwen3ForCausalLM
+    if arch == "gemma3":
+        # Gemma 3's layer pattern in miniature: sliding-window layers with a full-attention one last.
+        layer_types = ["sliding_attention"] * (spec.num_layers - 1) + ["full_attention"]
+        config = transformers.Gemma3TextConfig(**kw, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                                               sliding_window=64, layer_types=layer_types)
+        return config, transformers.Gemma3ForCausalLM
+    if arch == "mistral":
+        return transformers.MistralConfig(**kw, head_dim=head_dim, sliding_window=None), transformers.MistralForCausalLM
+    if arch == "phi3":
+        return transformers.Phi3Config(**kw, original_max_position_embeddings=2048), transformers.Phi3ForCausalLM
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**kw), transformers.Olmo2ForCausalLM
+    if arch == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**kw, **MOE, moe_intermediate_size=moe_width,
+                                             shared_expert_intermediate_size=moe_width, decoder_sparse_step=1)
+        return config, transformers.Qwen2MoeForCausalLM
+    if arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**kw, **MOE, head_dim=head_dim, moe_intermediate_size=moe_width,
+                                             decoder_sparse_step=1)
+        return config, transformers.Qwen3MoeForCausalLM
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(**{**kw, "intermediate_size": moe_width}, head_dim=head_dim,
+                                            num_local_experts=MOE["num_experts"],
+                                            num_experts_per_tok=MOE["num_experts_per_tok"])
+        return config, transformers.MixtralForCausalLM
+    raise ValueError(f"model.arch={arch!r}: choose one of {', '.join(ARCHS)}")
+
+
+ARCHS = ("qwen2", "llama", "qwen3", "gemma3", "mistral", "phi3", "olmo2", "qwen2_moe", "qwen3_moe", "mixtral")
+"""Every `model.arch` a tiny model can have (TinyModelSection.arch)."""

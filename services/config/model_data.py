@@ -23,7 +23,8 @@ class RunSection(Section):
 class TinyModelSection(Section):
     type: Literal["tiny"] = "tiny"
     """Write a tiny random-initialised model (real architecture, real tokenizer) into the run dir."""
-    arch: Literal["qwen2", "llama"] = "qwen2"
+    arch: Literal["qwen2", "llama", "qwen3", "gemma3", "mistral", "phi3", "olmo2", "qwen2_moe", "qwen3_moe",
+                  "mixtral"] = "qwen2"
     """HF architecture of the tiny model."""
     hidden_size: int = Field(128, gt=0)
     """Model width."""
