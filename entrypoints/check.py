@@ -147,7 +147,7 @@ def run_check(config: RunConfig, args: argparse.Namespace) -> int:
     try:
         fmt, tokens = rendered_prompt(config, config.model.path)
     except ValueError as err:
-        print(f"rlmesh check: the prompt cannot be rendered: {err}", file=sys.stderr)
+        print(f"rlmesh check: the prompt cannot be rendered: {printable(str(err))}", file=sys.stderr)
         return 1
     print(f"rlmesh check: prompt format {fmt}, {len(tokens)} prompt tokens", flush=True)
     resolved = config.model_copy(deep=True)

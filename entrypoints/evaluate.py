@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rlmesh.learner.watch import RunStalled, StallWatch, failure_limit
 from rlmesh.processes import Mesh, stop_signals_interrupt
 from rlmesh.services.config import HFModelSection, RunConfig, dump_config
-from rlmesh.up import printable
+from rlmesh.up import check_prompt_format, printable
 
 if TYPE_CHECKING:
     from rlmesh.learner.issuer import PromptIssuer
@@ -80,7 +80,7 @@ class _Reader:
         for group_id, by, reason in await self.dead_letters.poll():
             if group_id in self.issuer.outstanding:
                 self.issuer.returned(group_id)
-                self.watch.failed(f"rollout server {by}", reason)
+                self.watch.failed(f"rollout server {by}", reason, by)
         out = []
         for entry in await self.trajectories.read("learner", count=256, block_ms=500):
             try:
@@ -90,8 +90,9 @@ class _Reader:
                 continue
             errors = [s.error for s in group.samples if s.error]
             if group.samples and len(errors) == len(group.samples):
-                self.watch.failed("reward server" if not errors[0].startswith("invalid_sample") else
-                                  f"rollout server {group.generator_id[:100]}", errors[0])
+                by_rollout = errors[0].startswith("invalid_sample")
+                self.watch.failed(f"rollout server {group.generator_id[:100]}" if by_rollout else "reward server",
+                                  errors[0], group.generator_id if by_rollout else "reward")
             else:
                 self.watch.succeeded()
             out.append((entry, group))
@@ -158,11 +159,15 @@ async def _stand_in(config: RunConfig, port: int, timeout_s: float, mesh: Mesh, 
         train_set, eval_set = load_dataset(config.data, config.run.seed)
         issuer = PromptIssuer(prompts, run_id, [], group_size=1, groups_per_step=1, max_staleness=0)
         watch = StallWatch(_Records(), failure_limit=min(failure_limit(config.learner), max(len(eval_set), 1)),
-                           log_hint=str(output / "logs" / "{tier}.log"))
+                           log_hint=str(output / "logs" / "{service}.log"))
         reader = _Reader(trajectories, prompts, issuer, mesh, watch)
-        t0 = time.monotonic()
+        t0 = said = time.monotonic()
         while not membership.generators:
             reader.check_services()
+            if time.monotonic() - said > 60:
+                said = time.monotonic()
+                print(f"rlmesh: still waiting for the rollout server after {said - t0:.0f}s (vLLM loading; "
+                      f"{output / 'logs' / 'rollout-0.log'})", flush=True)
             if time.monotonic() - t0 > timeout_s:
                 raise RunStalled(f"no rollout server registered within {timeout_s:.0f}s; see "
                                  f"{output / 'logs' / 'rollout-0.log'}")
@@ -219,6 +224,7 @@ def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
         model = resolve_model(args.model, output)
     except ValueError as err:
         raise SystemExit(f"rlmesh eval: {err}") from None
+    check_prompt_format(config, str(model), "eval")
     resolved = config.model_copy(deep=True)
     resolved.model = HFModelSection(path=str(model.resolve()))
     resolved.sft.num_steps = 0

@@ -92,6 +92,23 @@ def _check_model_path(config: RunConfig) -> None:
                          "(config.json, weights, tokenizer) or use model.type=tiny")
 
 
+def check_prompt_format(config: RunConfig, model_dir: str, command: str) -> None:
+    """Refuse, before starting anything, a prompt format the model's tokenizer cannot render (e.g.
+    prompt.format=chat for a base model without a chat template), and say which format is used."""
+    from transformers import AutoTokenizer
+
+    from rlmesh.services.domain.chat import make_codec
+
+    try:
+        codec = make_codec(AutoTokenizer.from_pretrained(model_dir), config.prompt)
+    except ValueError as err:
+        raise SystemExit(f"rlmesh {command}: {err}") from None
+    if codec.format != "chat":
+        print(f"rlmesh {command}: {model_dir} has no chat template: prompts are plain text (prompt.format="
+              f"{config.prompt.format}; prefix {len(config.prompt.prefix)} chars, suffix {config.prompt.suffix!r}, "
+              f"stop {config.prompt.stop})", flush=True)
+
+
 def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
          on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
     from rlmesh.services.config import HFModelSection
@@ -102,6 +119,8 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     metrics = _Tail(run_dir / "metrics.jsonl", skip_existing=True)
 
     _check_model_path(config)
+    if isinstance(config.model, HFModelSection):
+        check_prompt_format(config, config.model.path, "up")
     from rlmesh.services.precision import resolve_precision
 
     # Measured once here (learner.backend.param_dtype=auto, rollout.dtype=learner), so every tier agrees.

@@ -141,10 +141,10 @@ class Admission:
             self.buffered.add(group.group_id)
         if self.watch is not None:
             if len(valid) < 2:
-                tier = "rollout server" if all(s.error.startswith("invalid_sample") for s in group.samples
-                                               if s.error) else "reward server"
-                self.watch.failed(f"{tier} (group from {group.generator_id[:100]})" if tier == "rollout server"
-                                  else tier, reason)
+                by_rollout = all(s.error.startswith("invalid_sample") for s in group.samples if s.error)
+                gen = group.generator_id[:100]
+                self.watch.failed(f"rollout server {gen}" if by_rollout else "reward server", reason,
+                                  gen if by_rollout else "reward")
             else:
                 self.watch.scored([s.reward for s in valid])
         return not reason

@@ -117,7 +117,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     watch = StallWatch(metrics, failure_limit=failure_limit(cfg.learner),
                        zero_signal_limit=zero_signal_limit(cfg.learner),
                        stop_on_zero_signal=cfg.learner.stall.on_zero_signal == "stop",
-                       log_hint=str(run_dir / "logs" / "{tier}.log"))
+                       log_hint=str(run_dir / "logs" / "{service}.log"))
     admission = Admission(trajectories, dropped_log, max_staleness=cfg.algorithm.max_staleness,
                           drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
                           on_returned=issuer.returned, issued=issuer.issued, bounds=bounds(cfg, model_path),
@@ -129,7 +129,8 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     controller = Controller(cfg, run_dir, Components(
         run_id=run_id, run_torch=run_torch, prompts=prompts, trajectories=trajectories, trainer=trainer,
         weights=weights, membership=membership, broadcaster=broadcaster, issuer=issuer, admission=admission,
-        reader=reader, evaluator=evaluator, metrics=metrics, trained_log=trained_log, dropped_log=dropped_log))
+        reader=reader, evaluator=evaluator, metrics=metrics, trained_log=trained_log, dropped_log=dropped_log,
+        watch=watch))
 
     service = LearnerService(membership, run_id, controller.status, lambda: controller.version)
     server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, SERVICE_NAME)],

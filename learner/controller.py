@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from rlmesh.learner.metrics import MetricsWriter
     from rlmesh.learner.reader import Arrivals, TrajectoryReader
     from rlmesh.learner.train.trainer import Trainer
+    from rlmesh.learner.watch import StallWatch
     from rlmesh.services.queue import StreamQueue
 
 log = logging.getLogger("rlmesh.learner")
@@ -62,6 +63,8 @@ class Components:
     trained_log: MetricsWriter
     """Which trajectory groups each version was trained on: the audit trail for exactly-once."""
     dropped_log: MetricsWriter
+    watch: StallWatch
+    """Says on the console what keeps the run from progressing, and stops it when nothing can."""
 
 
 class Controller:
@@ -74,6 +77,7 @@ class Controller:
         self.membership, self.broadcaster = parts.membership, parts.broadcaster
         self.issuer, self.admission, self.evaluator = parts.issuer, parts.admission, parts.evaluator
         self.metrics, self.trained_log, self.dropped_log = parts.metrics, parts.trained_log, parts.dropped_log
+        self.watch = parts.watch
         self.version = 0
         self.k = config.algorithm.max_staleness
         self.B = config.learner.groups_per_step
@@ -177,12 +181,18 @@ class Controller:
         return path
 
     async def wait_for_generators(self) -> None:
-        want, t0, last = self.config.learner.min_generators, time.monotonic(), 0.0
+        want, t0, last, said = self.config.learner.min_generators, time.monotonic(), 0.0, 0.0
         while len(self.membership.generators) < want:
+            waited = time.monotonic() - t0
             if time.monotonic() - last > 10:
                 log.info("waiting for %d rollout server(s) to register (have %d, %.0fs)", want,
-                         len(self.membership.generators), time.monotonic() - t0)
+                         len(self.membership.generators), waited)
                 last = time.monotonic()
+            if waited - said > 60:  # on the console too, once a minute
+                said = waited
+                self.watch.alert(f"waiting {waited:.0f}s for {want} rollout server(s) to register (have "
+                                 f"{len(self.membership.generators)}): vLLM is still loading, or a server cannot "
+                                 "reach the learner; see logs/rollout-*.log")
             await asyncio.sleep(0.5)
         await self.broadcaster.catch_up(self.version, self.weights)
 

@@ -72,8 +72,12 @@ class TrajectoryReader:
             self._last_wait_log = now
             depth = await self.prompts.depth()
             gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
-            log.warning("no trajectories for %.0fs: %d groups in flight, prompt stream %d unacked (%d undelivered), "
-                        "generators: %s", now - self._last_arrival, self.issuer.in_flight, depth.length, depth.lag, gens)
+            message = (f"no trajectories for {now - self._last_arrival:.0f}s: {self.issuer.in_flight} groups in flight, "
+                       f"prompt stream {depth.length} unacked ({depth.lag} undelivered), rollout servers: {gens}")
+            if self.watch is not None and now - self._last_arrival > 60:  # on the console too (an alert row)
+                self.watch.alert(message + "; their logs say why (logs/rollout-*.log)")
+            else:
+                log.warning("%s", message)
         return out
 
     async def _decode(self, entries) -> Arrivals:
@@ -131,7 +135,7 @@ class TrajectoryReader:
             self.issuer.returned(group_id)
             log.error("prompt group %s rejected by rollout server %s: %s", group_id, by, reason)
             if self.watch is not None:
-                self.watch.failed(f"rollout server {by}", reason)
+                self.watch.failed(f"rollout server {by}", reason, by)
 
     async def _check_queue(self, version: int) -> None:
         """Detect a queue server that came back empty (its run marker or a consumer group is gone):

@@ -51,14 +51,16 @@ class StallWatch:
         self.failure_limit, self.zero_signal_limit = failure_limit, zero_signal_limit
         self.stop_on_zero_signal = stop_on_zero_signal
         self.failed_in_a_row = 0
-        self.failures: Counter[tuple[str, str]] = Counter()  # (tier, reason) of the failures in a row
+        self.failures: Counter[tuple[str, str, str]] = Counter()  # (tier, reason, service) of the failures in a row
         self.flat_in_a_row = 0
         self.flat_rewards: Counter[float] = Counter()  # the rewards of the flat groups in a row
         self._next_flat_warning = max(zero_signal_limit // 4, 1)
         self.t_first_failure = 0.0
 
     def alert(self, message: str, *, fatal: bool = False) -> None:
-        (log.error if fatal else log.warning)("%s", message)
+        """A line for the console (an alert row); a fatal one is logged by whoever catches RunStalled."""
+        if not fatal:
+            log.warning("%s", message)
         self.records.write({"kind": "alert", "level": "fatal" if fatal else "warning", "message": message,
                             "time": time.time()})
 
@@ -69,17 +71,19 @@ class StallWatch:
         self.flat_rewards.clear()
         self._next_flat_warning = max(self.zero_signal_limit // 4, 1)
 
-    def failed(self, tier: str, reason: str) -> None:
-        """A group failed as a whole: `tier` says who raised `reason`. Raises RunStalled at the limit."""
+    def failed(self, tier: str, reason: str, service: str = "") -> None:
+        """A group failed as a whole: `tier` says who raised `reason` (`service`: the name its log
+        goes by, e.g. rollout-0). Raises RunStalled at the limit."""
         if not self.failed_in_a_row:
             self.t_first_failure = time.monotonic()
         self.failed_in_a_row += 1
-        self.failures[(tier, reason[:500])] += 1
+        self.failures[(tier, reason[:500], service[:100])] += 1
         if self.failure_limit and self.failed_in_a_row >= self.failure_limit:
-            (who, why), n = self.failures.most_common(1)[0]
+            (who, why, name), n = self.failures.most_common(1)[0]
+            where = f" (its log: {self.log_hint.format(service=name)})" if self.log_hint and name else ""
             message = (f"the run cannot progress: {self.failed_in_a_row} prompt groups in a row failed in "
                        f"{time.monotonic() - self.t_first_failure:.0f}s and none succeeded; {n} of them in the "
-                       f"{who}: {why}" + (f" (its log: {self.log_hint.format(tier=who)})" if self.log_hint else ""))
+                       f"{who}: {why}{where}")
             self.alert(message, fatal=True)
             raise RunStalled(message)
 

@@ -95,6 +95,17 @@ def configure_vllm_env(cfg: RolloutSection) -> str | None:
     return rpc
 
 
+def rejects(err: BaseException) -> bool:
+    """Whether `err` is the request's own fault, so the same prompt group would fail again: a
+    message the template cannot render (ValueError), a prompt vLLM refuses (a VLLMClientError: too
+    long for the context, bad sampling settings). Such a group is dead-lettered, not retried."""
+    if isinstance(err, ValueError):
+        return True
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(err, VLLMClientError)
+
+
 class BusyClock:
     """Wall time the engine had work: at least one request in flight and generation not paused
     (the rollout side of the idle fractions the async-vs-sync benchmark reports)."""

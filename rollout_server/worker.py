@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from rlmesh.v1 import common_pb2, reward_pb2
 from rlmesh.rollout_server.agents import AgentRunner
 from rlmesh.rollout_server.episode import EpisodeRunner
-from rlmesh.rollout_server.generator import VLLMGenerator
+from rlmesh.rollout_server.generator import VLLMGenerator, rejects
 from rlmesh.rollout_server.reward_client import AGENT, MULTI_TURN, RewardPool
 from rlmesh.services.queue import Entry, StreamQueue
 from rlmesh.services.telemetry import group_span
@@ -140,8 +140,10 @@ class RolloutWorker:
                     prompt_ids, samples = await self.generator.generate_group(group)
                     with group_span("score", group.group_id):
                         await self._score(group, samples)
-            except ValueError as err:
-                await self._dead_letter(entry, str(err))
+            except Exception as err:
+                if not rejects(err):
+                    raise
+                await self._dead_letter(entry, f"{type(err).__name__}: {err}")
                 return
         for sample in samples:
             self.finish_reasons[sample.finish_reason or "error"] += 1

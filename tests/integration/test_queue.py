@@ -118,10 +118,14 @@ async def test_dead_letter_moves_the_entry_with_its_reason_and_acks_it(valkey_ur
     await q.ensure_group()
     await q.publish("bad", b"not a PromptGroup")
     entry = (await q.read("c", count=1, block_ms=100))[0]
-    await q.dead_letter(entry, "undecodable PromptGroup")
+    await q.dead_letter(entry, "undecodable PromptGroup", by="rollout-0")
     assert (await q.depth()).length == 0
-    [(_, fields)] = await q.client.xrange(f"{q.stream}:dead")
-    assert fields == {b"key": b"bad", b"data": b"not a PromptGroup", b"reason": b"undecodable PromptGroup"}
+    [(entry_id, fields)] = await q.client.xrange(f"{q.stream}:dead")
+    assert fields == {b"key": b"bad", b"data": b"not a PromptGroup", b"reason": b"undecodable PromptGroup",
+                      b"by": b"rollout-0"}
+    assert await q.read_dead_letters("0-0") == [
+        (entry_id.decode(), {"key": "bad", "reason": "undecodable PromptGroup", "by": "rollout-0"})]
+    assert await q.read_dead_letters(entry_id.decode()) == []
 
 
 async def test_refreshed_claims_are_not_taken_by_another_consumer(valkey_url):

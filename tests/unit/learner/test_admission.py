@@ -274,3 +274,22 @@ async def test_a_group_that_only_comes_back_malformed_is_issued_again_after_the_
     assert admission.num_dropped_other == 1 and admission.buffered == set() and issuer.in_flight == 6
     assert await admission.accept(*_answer(fresh), version=4)
     assert admission.buffered == {new} and issuer.in_flight == 5
+
+
+async def test_groups_whose_every_sample_errs_stop_the_run_naming_the_reward_server():
+    from rlmesh.learner.watch import RunStalled, StallWatch
+
+    admission = _admission()
+    admission.watch = StallWatch(Records(), failure_limit=3, zero_signal_limit=4)
+    versions = [(0, 0)] * 8
+    await admission.accept(*_group("g0", versions, errors=8), version=0)
+    assert await admission.accept(*_group("ok", versions), version=0)  # a signal in between resets the count
+    for gid in ("g1", "g2"):
+        await admission.accept(*_group(gid, versions, errors=8), version=0)
+    with pytest.raises(RunStalled, match="3 prompt groups in a row failed .* reward server: 0 valid samples "
+                                         r"\(errors: boom\)"):
+        await admission.accept(*_group("g3", versions, errors=8), version=0)
+    for gid in ("f0", "f1", "f2"):  # all equal: no signal, whether or not dynamic sampling drops them
+        await admission.accept(*_group(gid, versions, rewards=[0.0] * 8), version=0)
+    with pytest.raises(RunStalled, match="no reward signal: 4 groups in a row"):
+        await admission.accept(*_group("f3", versions, rewards=[0.0] * 8), version=0)

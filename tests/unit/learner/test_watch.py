@@ -14,12 +14,12 @@ class Rows(list):
 
 def test_failures_in_a_row_stop_the_run_with_the_error_and_the_tier():
     rows = Rows()
-    watch = StallWatch(rows, failure_limit=3, log_hint="/run/logs/{tier}.log")
-    watch.failed("rollout server rollout-0", "Cannot use chat template functions")
-    watch.failed("rollout server rollout-0", "Cannot use chat template functions")
-    with pytest.raises(RunStalled, match="3 prompt groups in a row failed .* rollout server rollout-0: Cannot use "
-                                         "chat template functions"):
-        watch.failed("rollout server rollout-0", "Cannot use chat template functions")
+    watch = StallWatch(rows, failure_limit=3, log_hint="/run/logs/{service}.log")
+    for _ in range(2):
+        watch.failed("rollout server rollout-0", "Cannot use chat template functions", "rollout-0")
+    with pytest.raises(RunStalled, match=r"3 prompt groups in a row failed .* rollout server rollout-0: Cannot use "
+                                         r"chat template functions \(its log: /run/logs/rollout-0.log\)"):
+        watch.failed("rollout server rollout-0", "Cannot use chat template functions", "rollout-0")
     assert rows[-1]["kind"] == "alert" and rows[-1]["level"] == "fatal"
 
 
