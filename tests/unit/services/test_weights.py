@@ -258,3 +258,76 @@ def test_a_rank_without_the_group_secret_is_refused_by_every_other_rank():
     thread.join(15)
     assert isinstance(outcome["error"], PermissionError) and "rank(s) [0]" in str(outcome["error"])
     assert sender.group is None
+
+
+# --- checkpoint layout and supported families -------------------------------------------------------
+
+def _tiny(tmp_path, arch: str, tied: bool | None = None):
+    from transformers import AutoModelForCausalLM
+
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.services.config import TinyModelSection
+
+    path = write_tiny_model(TinyModelSection(arch=arch, hidden_size=32, intermediate_size=32), tmp_path / arch,
+                            tie_word_embeddings=tied)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_checkpoint_layout_turns_fused_moe_experts_into_the_checkpoints_names(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlmesh.services.weights.layout import CheckpointLayout
+    from rlmesh.services.weights.wire import describe
+
+    path, model = _tiny(tmp_path, "mixtral")
+    named = list(model.state_dict().items())  # transformers 5 in memory: experts.gate_up_proj, mlp.*
+    layout = CheckpointLayout(model.config)
+    layout.plan(describe(named))
+    assert layout.reverts
+    got = dict(layout.convert(iter(named)))
+    on_disk = load_file(path / "model.safetensors")
+    assert sorted(got) == sorted(on_disk)  # block_sparse_moe.experts.{e}.w1/w2/w3.weight
+    assert all(torch.equal(got[k], on_disk[k]) for k in on_disk)
+
+
+def test_checkpoint_layout_streams_plain_families_as_sent_and_drops_a_tied_head(tmp_path):
+    from rlmesh.services.weights.layout import CheckpointLayout
+    from rlmesh.services.weights.wire import describe
+
+    _, model = _tiny(tmp_path, "gemma3")  # ties its output layer
+    named = list(model.state_dict().items())
+    layout = CheckpointLayout(model.config)
+    layout.plan(describe(named))
+    assert not layout.reverts
+    assert [n for n, _ in layout.convert(iter(named))] == [n for n, _ in named if n != "lm_head.weight"]
+
+
+def test_tiny_model_families_keep_qwen2_and_llama_as_before(tmp_path):
+    """New families do not change what the original two write (other tests' baselines)."""
+    from rlmesh.learner.devtools.tiny_model import ARCHS, TIED_BY_DEFAULT
+
+    assert ARCHS[:2] == ("qwen2", "llama") and not {"qwen2", "llama"} & TIED_BY_DEFAULT
+    _, model = _tiny(tmp_path, "qwen3")
+    assert model.config.tie_word_embeddings and type(model).__name__ == "Qwen3ForCausalLM"
+
+
+def test_unsupported_architecture_is_refused_naming_it_and_the_supported_families(tmp_path):
+    import json
+
+    from rlmesh.services.model_families import UnsupportedArchitecture, check_supported_architecture
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
+    assert check_supported_architecture(tmp_path) == "Gemma 3 (text-only)"
+    for arch in ("MixtralForCausalLM", "Olmo2ForCausalLM", "SomethingNewForCausalLM"):
+        with pytest.raises(UnsupportedArchitecture, match=f"{arch}.*supported families: .*LlamaForCausalLM"):
+            check_supported_architecture({"architectures": [arch]})
+
+
+def test_model_families_imports_without_torch_or_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = sys.modules['vllm'] = None; "
+            "import rlmesh.services.model_families as m; print(m.check_supported_architecture("
+            "{'architectures': ['Qwen3ForCausalLM']}))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "Qwen3"
