@@ -71,13 +71,14 @@ def summarize(greedy: list, groups: list, max_tokens: int) -> dict:
 
 def verdict(summary: dict) -> str:
     n, signal = summary["num_groups"], summary["num_groups_with_signal"]
+    cut = summary["share_cut_at_max_tokens"]
     if n and not signal:
-        return (f"{signal} of {n} groups carry a signal: every sample of each group scored the same, so no GRPO "
+        return (f"{cut:.0%} of completions were cut at rollout.max_tokens={summary['max_tokens']}; " if cut > 0.25
+                else "") + (f"{signal} of {n} groups carry a signal: every sample of each group scored the same, so no GRPO "
                 "step would learn (dynamic sampling would drop them all). Try: rollout.temperature higher, "
                 "algorithm.group_size larger, easier data, a prompt that fits the model (prompt.format, "
                 "prompt.prefix with solved examples, prompt.stop), a larger rollout.max_tokens if completions are "
                 "cut, or a warm start (sft.num_steps)")
-    cut = summary["share_cut_at_max_tokens"]
     note = (f"; {cut:.0%} of completions were cut at rollout.max_tokens={summary['max_tokens']}: consider raising it"
             if cut > 0.25 else "")
     return f"{signal} of {n} groups carry a signal ({signal / max(n, 1):.0%}): RL can start{note}"
@@ -113,7 +114,7 @@ async def preflight(stand_in, config: RunConfig, num_groups: int, num_greedy: in
 
 
 def report(fmt: str, tokens: list[str], summary: dict, seconds: float) -> str:
-    shown = "".join(f"[{t}]" for t in tokens[:120]) + (" ..." if len(tokens) > 120 else "")
+    shown = "".join(f"[{t}]".replace("\n", "\\n") for t in tokens[:120]) + (" ..." if len(tokens) > 120 else "")
     comps = ", ".join(f"{k} {v:.2f}" for k, v in summary["component_means"].items()) or "none"
     lines = [
         f"prompt format: {fmt}; the first training prompt, {len(tokens)} tokens, each in []:",
