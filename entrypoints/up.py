@@ -277,6 +277,16 @@ def _supervise(mesh: Mesh, learner: Service | None, max_restarts: int) -> Servic
     return None
 
 
+def first_step_summary(row: dict[str, Any]) -> str:
+    """What the first step's groups say about the run's footing (`rlmesh check`'s numbers, from the run)."""
+    lengths = row.get("completion_tokens") or [0]
+    flat = row.get("num_dropped_flat", 0)
+    return (f"first step: {row.get('num_groups_with_signal', '?')} of {row.get('num_groups', '?')} trained groups "
+            f"carried a reward signal" + (f" ({flat} more dropped with every reward equal)" if flat else "")
+            + f"; reward {row.get('reward_mean', 0.0):.3f}; completion tokens mean {sum(lengths) / len(lengths):.0f}, max "
+            f"{max(lengths)}; cut at rollout.max_tokens {row.get('share_cut', 0.0):.0%}")
+
+
 def printable(text: str) -> str:
     """`text` (from another tier: a reason a rollout server gave) without control characters that
     would move the cursor or recolour the console."""
@@ -327,6 +337,7 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
     metrics = metrics or _Tail(run_dir / "metrics.jsonl")
     # The learner waits for callbacks to see each step: read often then.
     poll_s = 0.05 if on_row is not None else 1.0
+    said_first = False
     while True:
         # Read after checking for the learner's exit, so the rows it wrote last are not missed.
         done = learner.proc.poll() == 0
@@ -346,6 +357,9 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
                   f"{bad.tail()}", file=sys.stderr, flush=True)
             return 1
         for r in metrics.rows():
+            if r.get("kind") == "train" and not said_first:
+                said_first = True
+                tqdm.write(first_step_summary(r))
             if r.get("kind") == "train":
                 bar.update(r["version"] - bar.n)
                 bar.set_postfix(reward=f"{r['reward_mean']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",

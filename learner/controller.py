@@ -330,6 +330,9 @@ class Controller:
             # Each rollout server's cumulative engine-busy seconds (for its idle fraction over a span).
             "rollout_busy_s": {g.generator_id: g.busy_seconds for g in self.membership.generators.values()},
             "num_failed_samples": sum(1 for g in groups for s in g.samples if s.error),
+            # Groups whose rewards differ (only those give GRPO an advantage), and completions cut at max_tokens.
+            "num_groups_with_signal": sum(1 for g in groups if len({s.reward for s in g.samples if not s.error}) > 1),
+            "share_cut": sum(1 for s in samples if s.finish_reason == "length") / len(samples),
             **episode_stats(samples),
         }
         self.metrics.write(record)
