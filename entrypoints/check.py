@@ -21,7 +21,7 @@ from pathlib import Path
 from rlmesh.learner.watch import RunStalled
 from rlmesh.processes import Mesh, stop_signals_interrupt
 from rlmesh.services.config import HFModelSection, RunConfig
-from rlmesh.up import printable
+from rlmesh.up import check_model_fits, printable
 
 CUT = "length"  # vLLM's finish reason for a completion stopped by max_tokens
 
@@ -145,6 +145,7 @@ def run_check(config: RunConfig, args: argparse.Namespace) -> int:
                          "check)")
     output = Path(args.output or Path(config.run.output_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}")
     output.mkdir(parents=True, exist_ok=True)
+    check_model_fits(config, config.model.path, "check")
     try:
         fmt, tokens = rendered_prompt(config, config.model.path)
     except ValueError as err:

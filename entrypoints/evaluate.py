@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rlmesh.learner.watch import RunStalled, StallWatch, failure_limit
 from rlmesh.processes import Mesh, stop_signals_interrupt
 from rlmesh.services.config import HFModelSection, RunConfig, dump_config
-from rlmesh.up import check_prompt_format, printable
+from rlmesh.up import check_model_fits, printable
 
 if TYPE_CHECKING:
     from rlmesh.learner.issuer import PromptIssuer
@@ -224,7 +224,7 @@ def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
         model = resolve_model(args.model, output)
     except ValueError as err:
         raise SystemExit(f"rlmesh eval: {err}") from None
-    check_prompt_format(config, str(model), "eval")
+    check_model_fits(config, str(model), "eval")
     resolved = config.model_copy(deep=True)
     resolved.model = HFModelSection(path=str(model.resolve()))
     resolved.sft.num_steps = 0

@@ -92,13 +92,23 @@ def _check_model_path(config: RunConfig) -> None:
                          "(config.json, weights, tokenizer) or use model.type=tiny")
 
 
-def check_prompt_format(config: RunConfig, model_dir: str, command: str) -> None:
-    """Refuse, before starting anything, a prompt format the model's tokenizer cannot render (e.g.
-    prompt.format=chat for a base model without a chat template), and say which format is used."""
+def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
+    """Refuse, before starting anything, a model whose architecture the weight broadcast is not proven
+    to keep in sync (services/model_families.py), and a prompt format its tokenizer cannot render
+    (e.g. prompt.format=chat for a base model without a chat template); say which format is used."""
     from transformers import AutoTokenizer
 
+    from rlmesh.services.config import HFModelSection
     from rlmesh.services.domain.chat import make_codec
+    from rlmesh.services.model_families import UnsupportedArchitecture, check_supported_architecture
 
+    allow = isinstance(config.model, HFModelSection) and config.model.allow_untested_architecture
+    if (Path(model_dir) / "config.json").is_file() and not allow:
+        try:
+            check_supported_architecture(model_dir)
+        except UnsupportedArchitecture as err:
+            raise SystemExit(f"rlmesh {command}: {err} (model.allow_untested_architecture=true starts anyway)") \
+                from None
     try:
         codec = make_codec(AutoTokenizer.from_pretrained(model_dir), config.prompt)
     except ValueError as err:
@@ -120,7 +130,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
 
     _check_model_path(config)
     if isinstance(config.model, HFModelSection):
-        check_prompt_format(config, config.model.path, "up")
+        check_model_fits(config, config.model.path, "up")
     from rlmesh.services.precision import resolve_precision
 
     # Measured once here (learner.backend.param_dtype=auto, rollout.dtype=learner), so every tier agrees.

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 
 import grpc
 import uvloop
@@ -45,6 +46,19 @@ def model_path(config: RunConfig) -> str:
         raise ValueError("the rollout server needs model.type=hf with model.path; `rlmesh up` prepares the "
                          "tiny model and passes its path (or run `rlmesh tiny-model --output DIR` first)")
     return config.model.path
+
+
+def refuse_untested_architecture(config: RunConfig, path: str) -> None:
+    """A model whose in-place updates the family matrix does not prove is refused before vLLM loads
+    (unless model.allow_untested_architecture): its weights could silently stop following the learner's."""
+    from rlmesh.services.model_families import UnsupportedArchitecture, check_supported_architecture
+
+    if getattr(config.model, "allow_untested_architecture", False) or not (Path(path) / "config.json").is_file():
+        return
+    try:
+        check_supported_architecture(path)
+    except UnsupportedArchitecture as err:
+        raise SystemExit(f"rlmesh rollout: {err} (model.allow_untested_architecture=true starts anyway)") from None
 
 
 def engine_dead(generator: VLLMGenerator) -> bool:
@@ -139,6 +153,7 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     from rlmesh.services.precision import resolve_precision
 
     config = resolve_precision(config)  # rollout.dtype=learner: serve in the learner's compute dtype
+    refuse_untested_architecture(config, placeholder or model_path(config))
     generator = VLLMGenerator(placeholder or model_path(config), config.rollout, config.run.seed, receiver.engine,
                               adapter, placeholder=bool(placeholder), prompt=config.prompt)
     if config.logging.metrics_port is not None:

@@ -56,6 +56,8 @@ class HFModelSection(Section):
     """Load an existing Hugging Face model."""
     path: str
     """Local directory (or hub name, where a hub is reachable) of the model."""
+    allow_untested_architecture: bool = False
+    """Start even when the model's architecture is not one the family matrix proves (services/model_families.py; docs/models.md): its in-place weight updates are then unproven, though an update that leaves a layer unloaded still fails."""
 
 
 ModelSection = Annotated[Union[TinyModelSection, HFModelSection], Field(discriminator="type")]

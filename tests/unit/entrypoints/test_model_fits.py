@@ -1,0 +1,35 @@
+"""A model that does not fit is refused before anything starts, saying why and what to do: an
+architecture the weight broadcast is not proven to keep in sync, and a chat prompt format for a
+tokenizer without a template."""
+
+import json
+
+import pytest
+
+from rlmesh.learner.devtools.tiny_model import write_tiny_model
+from rlmesh.services.config import TinyModelSection, load_config
+from rlmesh.up import check_model_fits
+
+
+def _config(path, *overrides):
+    return load_config(None, ["model.type=hf", f"model.path={path}", *overrides])
+
+
+def test_an_unproven_architecture_is_refused_naming_it_and_the_supported_families(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(SystemExit, match=r"rlmesh up: model architecture GPTNeoXForCausalLM cannot be served with "
+                                         r"in-place weight updates.*supported families: .*Gemma 3.*"
+                                         r"model.allow_untested_architecture=true"):
+        check_model_fits(_config(tmp_path), str(tmp_path), "up")
+
+
+def test_chat_for_a_model_without_a_template_is_refused_and_auto_takes_plain_text(tmp_path, capsys):
+    model = write_tiny_model(TinyModelSection(arch="llama"), tmp_path / "m", seed=0)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match="rlmesh eval: prompt.format=chat, but the tokenizer .* has no chat template"):
+        check_model_fits(_config(model, "prompt.format=chat"), str(model), "eval")
+    check_model_fits(_config(model), str(model), "eval")
+    assert "has no chat template: prompts are plain text" in capsys.readouterr().out
