@@ -68,6 +68,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     supports_draft_weight_update = False
     reloads_model = True
     """Updates replace the model's weights (layerwise reload); the LoRA engine writes an adapter instead."""
+    _layout = None  # layout.CheckpointLayout of the served model (made on the first update)
+    _received: list | None = None  # the received tensors, kept for the read-back when it is on
+    _audit = None  # served.ReloadAudit of the update in progress
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -79,9 +82,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.served_check: dict[str, Any] = {}
         """The last update's audit and read-back (read through `WorkerDigests`)."""
         self._head_refresh_logged = False
-        self._audit = None  # served.ReloadAudit of the update in progress
-        self._layout = None  # layout.CheckpointLayout of the served model (made on the first update)
-        self._received: list[tuple[str, torch.Tensor]] | None = None  # kept for the read-back, when on
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from rlmesh.services.weights.base import Rendezvous
@@ -197,11 +197,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from rlmesh.services.weights.served import VERIFY_ENV
         from rlmesh.services.weights.wire import TensorMeta
 
-        if self._layout is None:
-            self._layout = CheckpointLayout(self.model_config.hf_config)
-        self._layout.plan([TensorMeta(n, d, tuple(s)) for n, d, s in
-                           zip(update_info.names, update_info.dtype_names, update_info.shapes)])
-        converted = self._layout.convert(named)
+        hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
+        if self._layout is None and hf_config is not None:  # (an engine made without vLLM's config loads as sent)
+            self._layout = CheckpointLayout(hf_config)
+        converted = named
+        if self._layout is not None:
+            self._layout.plan([TensorMeta(n, d, tuple(s)) for n, d, s in
+                               zip(update_info.names, update_info.dtype_names, update_info.shapes)])
+            converted = self._layout.convert(named)
         if os.environ.get(VERIFY_ENV) == "1":
             # Kept (views of the receive buffers, valid until the next update) for the read-back.
             self._received = list(converted)
