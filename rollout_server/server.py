@@ -250,5 +250,10 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
 
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:
+    # A model in a local directory needs no hub: offline, vLLM's start skips look-ups that cannot
+    # succeed without one (~18 s a start where no hub is reachable). Set before huggingface_hub loads.
+    path = getattr(args, "placeholder_model", None) or getattr(config.model, "path", "")
+    if path and Path(path).is_dir():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     uvloop.run(serve(config, args))
     return 0

@@ -140,7 +140,7 @@ images() {
 # RLMESH_WHEELS_PORT picks another.
 serve_wheels() {
   local gateway port=${RLMESH_WHEELS_PORT:-38771}
-  gateway=$($DOCKER network inspect bridge -f '{{(index .IPAM.Config 0).Gateway}}' 2>/dev/null || true)
+  gateway=$(bridge_gateway)
   if [ -z "$gateway" ]; then
     say "the engine has no bridge network to serve the wheelhouse on; build the image with a registry and"
     say "PyPI instead (deploy/docker/Dockerfile says how)"; exit 1
@@ -159,6 +159,24 @@ serve_wheels() {
     fi
     sleep 0.2
   done
+}
+
+# The host's address on the engine's default bridge. Newer engines report it as the IPAM gateway; Debian
+# 12's docker.io (20.10) leaves that empty ([{"Subnet":"172.17.0.0/16"}]) and the address is only on
+# the bridge's interface (docker0); failing that, the subnet's first host address, which dockerd takes.
+bridge_gateway() {
+  local gw ifname subnet
+  gw=$($DOCKER network inspect bridge -f '{{range .IPAM.Config}}{{.Gateway}}{{end}}' 2>/dev/null || true)
+  if [ -z "$gw" ]; then
+    ifname=$($DOCKER network inspect bridge -f '{{index .Options "com.docker.network.bridge.name"}}' 2>/dev/null || true)
+    gw=$(ip -4 -o addr show dev "${ifname:-docker0}" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
+  fi
+  if [ -z "$gw" ]; then
+    subnet=$($DOCKER network inspect bridge -f '{{range .IPAM.Config}}{{.Subnet}}{{end}}' 2>/dev/null || true)
+    [ -n "$subnet" ] && gw=$("$PYTHON" -c 'import ipaddress, sys; print(next(ipaddress.ip_network(sys.argv[1]).hosts()))' \
+      "$subnet" 2>/dev/null)
+  fi
+  echo "$gw"
 }
 
 stop_wheels() {
