@@ -11,7 +11,6 @@ verdict in words. Exit 0 when groups carry a signal, 1 when none does or the che
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 from rlmesh.learner.watch import RunStalled
-from rlmesh.processes import Mesh, stop_signals_interrupt
+from rlmesh.services.progress import progress
 from rlmesh.services.config import HFModelSection, RunConfig
 from rlmesh.up import check_model_fits, printable
 
@@ -99,6 +98,7 @@ async def preflight(stand_in, config: RunConfig, num_groups: int, num_greedy: in
         await issuer.publish(group)
         wanted[group.group_id] = "sampled"
     greedy, groups, t0 = [], [], time.monotonic()
+    bar = progress(len(wanted), "rlmesh check", "prompt groups back")
     while any(gid in issuer.outstanding for gid in wanted):
         for entry, group in await stand_in.reader.read(0):
             await stand_in.reader.trajectories.ack(entry.id)
@@ -107,9 +107,11 @@ async def preflight(stand_in, config: RunConfig, num_groups: int, num_greedy: in
                 continue
             issuer.returned(group.group_id)
             (greedy.extend(group.samples[:1]) if kind == "greedy" else groups.append(group))
+            bar.update(1)
         if time.monotonic() - t0 > timeout_s:
             raise RunStalled(f"{sum(g in issuer.outstanding for g in wanted)} prompt groups not back after "
                              f"{timeout_s:.0f}s")
+    bar.close()
     return summarize(greedy, groups, config.rollout.max_tokens)
 
 
@@ -137,7 +139,7 @@ def report(fmt: str, tokens: list[str], summary: dict, seconds: float) -> str:
 
 
 def run_check(config: RunConfig, args: argparse.Namespace) -> int:
-    from rlmesh.evaluate import serve_stand_in
+    from rlmesh.evaluate import run_stand_in
 
     t0 = time.monotonic()
     if not isinstance(config.model, HFModelSection):
@@ -154,22 +156,12 @@ def run_check(config: RunConfig, args: argparse.Namespace) -> int:
     print(f"rlmesh check: prompt format {fmt}, {len(tokens)} prompt tokens", flush=True)
     resolved = config.model_copy(deep=True)
     resolved.sft.num_steps = 0
-    mesh = Mesh(output)
-    with stop_signals_interrupt() as shield:
-        try:
-            summary = serve_stand_in(
-                mesh, config, resolved, output, args.timeout,
-                lambda stand_in: preflight(stand_in, config, args.groups, args.greedy, args.timeout),
-                f"checking {config.model.path}")
-        except KeyboardInterrupt:
-            print("\nrlmesh check: interrupted; stopping every service", file=sys.stderr, flush=True)
-            return 130
-        except RunStalled as err:
-            print(f"rlmesh check: {printable(str(err))}", file=sys.stderr, flush=True)
-            return 1
-        finally:
-            shield()
-            mesh.stop()
+    code, summary = run_stand_in(
+        "check", config, resolved, output, args.timeout,
+        lambda stand_in: preflight(stand_in, config, args.groups, args.greedy, args.timeout),
+        f"checking {config.model.path}")
+    if summary is None:
+        return code
     seconds = time.monotonic() - t0
     (output / "check.json").write_text(json.dumps({**summary, "prompt_format": fmt, "prompt_tokens": tokens,
                                                    "verdict": verdict(summary), "seconds": seconds}, indent=2))

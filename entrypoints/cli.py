@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 _EXAMPLES = """examples:
@@ -159,6 +160,11 @@ def _add_model_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not sys.stderr.isatty():
+        # Progress bars of libraries (datasets, transformers' shard writer) into a file or a pipe are
+        # carriage-return frames on one line; rlmesh's own progress prints a line now and then instead.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     if args.command == "model":
         return _model(args)
     if args.command == "export":

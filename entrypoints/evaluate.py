@@ -190,8 +190,8 @@ def table(record: dict) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
-def serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: Path, timeout_s: float,
-                   body: Body, what: str) -> dict:
+def _serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: Path, timeout_s: float,
+                    body: Body, what: str) -> dict:
     """Start the reward and rollout servers for `resolved.model`, then run `body` in place of the
     learner (`_stand_in`); `what` is said on the console while vLLM loads."""
     from rlmesh.services.ports import free_port
@@ -217,6 +217,26 @@ def serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: P
     return asyncio.run(_stand_in(resolved, learner_port, timeout_s, mesh, output, body))
 
 
+def run_stand_in(command: str, config: RunConfig, resolved: RunConfig, output: Path, timeout_s: float,
+                 body: Body, what: str) -> tuple[int, dict | None]:
+    """`rlmesh <command>`'s services and its stand-in learner running `body`: (0, its result), or (the
+    exit code, None) when interrupted (130) or when it cannot finish (1), said on the console. Every
+    service it started is stopped however it ends, a signal while stopping included."""
+    mesh = Mesh(output)
+    with stop_signals_interrupt() as shield:
+        try:
+            return 0, _serve_stand_in(mesh, config, resolved, output, timeout_s, body, what)
+        except KeyboardInterrupt:
+            print(f"\nrlmesh {command}: interrupted; stopping every service", file=sys.stderr, flush=True)
+            return 130, None
+        except RunStalled as err:
+            print(f"rlmesh {command}: {printable(str(err))}", file=sys.stderr, flush=True)
+            return 1, None
+        finally:
+            shield()
+            mesh.stop()
+
+
 def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
     output = Path(args.output or Path(config.run.output_dir) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     output.mkdir(parents=True, exist_ok=True)
@@ -228,21 +248,11 @@ def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
     resolved = config.model_copy(deep=True)
     resolved.model = HFModelSection(path=str(model.resolve()))
     resolved.sft.num_steps = 0
-    mesh = Mesh(output)
-    with stop_signals_interrupt() as shield:
-        try:
-            what = f"{model} on {len(config.learner.eval_pass_k) and 'greedy + pass@k' or 'greedy'}"
-            record = serve_stand_in(mesh, config, resolved, output, args.timeout,
-                                    lambda stand_in: _held_out(stand_in, config, args.timeout), what)
-        except KeyboardInterrupt:
-            print("\nrlmesh eval: interrupted; stopping every service", file=sys.stderr, flush=True)
-            return 130
-        except RunStalled as err:
-            print(f"rlmesh eval: {printable(str(err))}", file=sys.stderr, flush=True)
-            return 1
-        finally:
-            shield()
-            mesh.stop()
+    what = f"{model} on {len(config.learner.eval_pass_k) and 'greedy + pass@k' or 'greedy'}"
+    code, record = run_stand_in("eval", config, resolved, output, args.timeout,
+                                lambda stand_in: _held_out(stand_in, config, args.timeout), what)
+    if record is None:
+        return code
     record = {**record, "model": str(model), "config": str(args.config)}
     (output / "eval.json").write_text(json.dumps(record, indent=2))
     if "accuracy_by_env" not in record:
