@@ -353,7 +353,7 @@ def _apply_token_rule(tokenizer: Any, rule: TokenRule) -> None:
     """Make the tokenizer add what the file says, where it does not already. The setters rebuild the
     fast tokenizer's post-processor, which tokenizer.json keeps (transformers 5 drops `add_bos_token`
     from tokenizer_config.json and, given a tokenizer.json, reads only the post-processor). A tokenizer
-    that already follows the rule is left as it is (SmolLM2's keeps its byte-level post-processor)."""
+    that already follows the rule is left as transformers built it (SmolLM2's: no BOS either way)."""
     raw = tokenizer.encode(PROBE, add_special_tokens=False)
     if tokenizer.encode(PROBE) == rule.wrap(raw):
         return
