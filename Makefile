@@ -6,7 +6,7 @@ STAMP := $(VENV)/.rlmesh-setup
 BENCH_STAMP := $(VENV)/.rlmesh-bench
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-tools test-unit test-containers demo demo-tiny demo-agent bench bench-setup proto clean images compose-up compose-down
+.PHONY: setup test test-tools test-unit test-containers demo demo-base demo-tiny demo-agent bench bench-setup proto clean images compose-up compose-down
 
 setup: $(STAMP)
 
@@ -61,6 +61,11 @@ compose-down:
 demo: setup
 	$(VENV)/bin/rlmesh model fetch smollm2-135m-instruct --output models/smollm2-135m-instruct
 	$(VENV)/bin/rlmesh up -c examples/smollm2_grpo.yaml $(DEMO_ARGS)
+
+# A base model (Gemma 3 270M, no chat template) trained from plain-text few-shot prompts (docs/models.md).
+demo-base: setup
+	$(VENV)/bin/rlmesh model fetch gemma3-270m --output models/gemma3-270m
+	$(VENV)/bin/rlmesh up -c examples/gemma3_base_grpo.yaml $(DEMO_ARGS)
 
 # The same model trained through an agent written with the OpenAI Agents SDK (docs/agents.md).
 demo-agent: setup
