@@ -55,7 +55,8 @@ class TrajectoryReader:
         self.issuer, self.admission, self.membership, self.metrics = issuer, admission, membership, metrics
         self.watch, self.dead_letters = watch, DeadLetters(prompts)
         self._group_recreations = 0
-        self._last_queue_check = self._last_arrival = self._last_wait_log = time.monotonic()
+        self._last_queue_check = self._last_arrival = self._last_wait_log = self._last_alert = time.monotonic()
+        self._reading = False  # the silence is counted from the first read (rollout servers registered)
 
     async def read(self, version: int) -> Arrivals:
         """What arrived within half a second (possibly nothing), with the learner at `version`."""
@@ -63,6 +64,8 @@ class TrajectoryReader:
             self._last_queue_check = time.monotonic()
             await self._check_queue(version)
             await self._check_rejected()
+        if not self._reading:
+            self._reading, self._last_arrival = True, time.monotonic()
         entries = await self.trajectories.read(CONSUMER, count=256, block_ms=500)
         out = await self._decode(entries)
         now = time.monotonic()
@@ -74,7 +77,8 @@ class TrajectoryReader:
             gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
             message = (f"no trajectories for {now - self._last_arrival:.0f}s: {self.issuer.in_flight} groups in flight, "
                        f"prompt stream {depth.length} unacked ({depth.lag} undelivered), rollout servers: {gens}")
-            if self.watch is not None and now - self._last_arrival > 60:  # on the console too (an alert row)
+            if self.watch is not None and now - self._last_arrival > 60 and now - self._last_alert > 60:
+                self._last_alert = now  # on the console too (an alert row), once a minute
                 self.watch.alert(message + "; their logs say why (logs/rollout-*.log)")
             else:
                 log.warning("%s", message)

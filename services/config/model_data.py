@@ -20,12 +20,14 @@ class RunSection(Section):
     """Times `rlmesh up` restarts a crashed service (with exponential backoff) before failing the run."""
 
 
+TinyArch = Literal["qwen2", "llama", "qwen3", "gemma3", "mistral", "phi3", "olmo2", "qwen2_moe", "qwen3_moe", "mixtral"]
+
+
 class TinyModelSection(Section):
     type: Literal["tiny"] = "tiny"
     """Write a tiny random-initialised model (real architecture, real tokenizer) into the run dir."""
-    arch: Literal["qwen2", "llama", "qwen3", "gemma3", "mistral", "phi3", "olmo2", "qwen2_moe", "qwen3_moe",
-                  "mixtral"] = "qwen2"
-    """HF architecture of the tiny model."""
+    arch: TinyArch = "qwen2"
+    """HF architecture of the tiny model (the model-family matrix builds one of each: docs/models.md)."""
     hidden_size: int = Field(128, gt=0)
     """Model width."""
     num_layers: int = Field(2, gt=0)
