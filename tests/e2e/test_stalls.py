@@ -1,6 +1,6 @@
 """A run never stalls in silence, and every command that starts services stops them however it ends:
-`rlmesh up`, `rlmesh eval` and `rlmesh check` on SIGHUP, SIGTERM and SIGINT (each command with one of
-them; `rlmesh up` on SIGINT is tests/e2e/test_mesh.py's), `rlmesh eval` when the rollout server
+`rlmesh eval` on SIGTERM and `rlmesh check` on SIGHUP here, `rlmesh up` on SIGINT in tests/e2e/test_mesh.py
+(every stop signal's handling, in process: tests/unit/entrypoints/test_stop_signals.py), `rlmesh eval` when the rollout server
 rejects every prompt (stopped with vLLM's error and the log path, within a minute of the server
 being ready), and `rlmesh check`'s verdict on a model with no footing (a random tiny model)."""
 
@@ -37,9 +37,6 @@ class Command(Up):
 
 def _command(kind: str, tmp_path: Path, model: Path, *extra: str) -> Command:
     out = tmp_path / kind
-    if kind == "up":
-        return Command(out, "up", "-c", CONFIG, "--run-dir", str(out), "sft.num_steps=0", "logging.progress=false",
-                       *extra)
     if kind == "eval":
         return Command(out, "eval", "-c", CONFIG, "--model", str(model), "--output", str(out), *extra)
     # The demo's config with the tiny model as a local HF directory.
@@ -49,7 +46,7 @@ def _command(kind: str, tmp_path: Path, model: Path, *extra: str) -> Command:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind,signum", [("up", signal.SIGHUP), ("eval", signal.SIGTERM), ("check", signal.SIGINT)])
+@pytest.mark.parametrize("kind,signum", [("eval", signal.SIGTERM), ("check", signal.SIGHUP)])
 def test_a_stop_signal_stops_every_service_the_command_started(tmp_path, tiny_model_dir, kind, signum):
     cmd = _command(kind, tmp_path, tiny_model_dir)
     cmd.wait_for(lambda: "loading vLLM" in cmd.output(), 180, "services to start")
