@@ -79,7 +79,7 @@ class TrajectoryReader:
                        f"prompt stream {depth.length} unacked ({depth.lag} undelivered), rollout servers: {gens}")
             if self.watch is not None and now - self._last_arrival > 60 and now - self._last_alert > 60:
                 self._last_alert = now  # on the console too (an alert row), once a minute
-                self.watch.alert(message + "; their logs say why (logs/rollout-*.log)")
+                self.watch.alert(message + " (generation may just be slow; if this goes on, logs/rollout-*.log say why)")
             else:
                 log.warning("%s", message)
         return out
