@@ -114,7 +114,8 @@ def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
     except ValueError as err:
         raise SystemExit(f"rlmesh {command}: {err}") from None
     if codec.format != "chat":
-        print(f"rlmesh {command}: {model_dir} has no chat template: prompts are plain text (prompt.format="
+        why = "has no chat template" if config.prompt.format == "auto" else "is prompted as configured"
+        print(f"rlmesh {command}: {model_dir} {why}: prompts are plain text (prompt.format="
               f"{config.prompt.format}; prefix {len(config.prompt.prefix)} chars, suffix {config.prompt.suffix!r}, "
               f"stop {config.prompt.stop})", flush=True)
 
