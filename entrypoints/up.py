@@ -110,7 +110,12 @@ def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
             raise SystemExit(f"rlmesh {command}: {err} (model.allow_untested_architecture=true starts anyway)") \
                 from None
     try:
-        codec = make_codec(AutoTokenizer.from_pretrained(model_dir), config.prompt)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"rlmesh {command}: cannot load the tokenizer of {model_dir} ({err}); model.path must be "
+                         "an HF model directory with its tokenizer files") from None
+    try:
+        codec = make_codec(tokenizer, config.prompt)
     except ValueError as err:
         raise SystemExit(f"rlmesh {command}: {err}") from None
     if codec.format != "chat":

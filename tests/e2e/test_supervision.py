@@ -4,6 +4,7 @@ checked by tests/faults/test_faults.py, where the reward, rollout and learner se
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -37,10 +38,12 @@ def test_a_missing_model_path_fails_in_seconds_naming_it(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
-def test_a_learner_dying_at_start_up_fails_the_launch_with_its_own_error(tmp_path):
-    model = tmp_path / "not-a-model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+def test_a_learner_dying_at_start_up_fails_the_launch_with_its_own_error(tmp_path, tiny_model_dir):
+    # A model that passes the launcher's own checks (a supported architecture, a tokenizer) but has no
+    # weights: the learner dies loading it.
+    model = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").unlink()
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "model.type=hf", f"model.path={model}",
                           "sft.num_steps=0", "--run-dir", str(tmp_path / "run")], cwd=REPO, capture_output=True,
