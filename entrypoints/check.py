@@ -20,7 +20,7 @@ from pathlib import Path
 from rlmesh.learner.watch import RunStalled
 from rlmesh.services.progress import progress
 from rlmesh.services.config import HFModelSection, RunConfig
-from rlmesh.up import check_model_fits, printable
+from rlmesh.preflight import check_model_fits, printable
 
 CUT = "length"  # vLLM's finish reason for a completion stopped by max_tokens
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rlmesh.learner.watch import RunStalled, StallWatch, failure_limit
 from rlmesh.processes import Mesh, stop_signals_interrupt
 from rlmesh.services.config import HFModelSection, RunConfig, dump_config
-from rlmesh.up import check_model_fits, printable
+from rlmesh.preflight import check_model_fits, printable
 
 if TYPE_CHECKING:
     from rlmesh.learner.issuer import PromptIssuer
@@ -90,9 +90,7 @@ class _Reader:
                 continue
             errors = [s.error for s in group.samples if s.error]
             if group.samples and len(errors) == len(group.samples):
-                by_rollout = errors[0].startswith("invalid_sample")
-                self.watch.failed(f"rollout server {group.generator_id[:100]}" if by_rollout else "reward server",
-                                  errors[0], group.generator_id if by_rollout else "reward")
+                self.watch.group_failed(group, errors[0])
             else:
                 self.watch.succeeded()
             out.append((entry, group))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlmesh.learner.watch import STALLED_EXIT
+from rlmesh.preflight import check_model_fits, printable
 from rlmesh.processes import Mesh, Service, stop_signals_interrupt
 from rlmesh.services.config import NetworkSection, RunConfig, dump_config
 from rlmesh.services.ports import free_port
@@ -90,39 +91,6 @@ def _check_model_path(config: RunConfig) -> None:
     if looks_local and not Path(path).expanduser().exists():
         raise SystemExit(f"rlmesh up: model.path={path!r} does not exist; point it at a local HF model directory "
                          "(config.json, weights, tokenizer) or use model.type=tiny")
-
-
-def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
-    """Refuse, before starting anything, a model whose architecture the weight broadcast is not proven
-    to keep in sync (services/model_families.py), and a prompt format its tokenizer cannot render
-    (e.g. prompt.format=chat for a base model without a chat template); say which format is used."""
-    from transformers import AutoTokenizer
-
-    from rlmesh.services.config import HFModelSection
-    from rlmesh.services.domain.chat import make_codec
-    from rlmesh.services.model_families import UnsupportedArchitecture, check_supported_architecture
-
-    allow = isinstance(config.model, HFModelSection) and config.model.allow_untested_architecture
-    if (Path(model_dir) / "config.json").is_file() and not allow:
-        try:
-            check_supported_architecture(model_dir)
-        except UnsupportedArchitecture as err:
-            raise SystemExit(f"rlmesh {command}: {err} (model.allow_untested_architecture=true starts anyway)") \
-                from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"rlmesh {command}: cannot load the tokenizer of {model_dir} ({err}); model.path must be "
-                         "an HF model directory with its tokenizer files") from None
-    try:
-        codec = make_codec(tokenizer, config.prompt)
-    except ValueError as err:
-        raise SystemExit(f"rlmesh {command}: {err}") from None
-    if codec.format != "chat":
-        why = "has no chat template" if config.prompt.format == "auto" else "is prompted as configured"
-        print(f"rlmesh {command}: {model_dir} {why}: prompts are plain text (prompt.format="
-              f"{config.prompt.format}; prefix {len(config.prompt.prefix)} chars, suffix {config.prompt.suffix!r}, "
-              f"stop {config.prompt.stop})", flush=True)
 
 
 def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
@@ -301,12 +269,6 @@ def first_step_summary(row: dict[str, Any]) -> str:
             f"carried a reward signal" + (f" ({flat} more dropped with every reward equal)" if flat else "")
             + f"; reward {row.get('reward_mean', 0.0):.3f}; completion tokens mean {sum(lengths) / len(lengths):.0f}, max "
             f"{max(lengths)}; cut at rollout.max_tokens {row.get('share_cut', 0.0):.0%}")
-
-
-def printable(text: str) -> str:
-    """`text` (from another tier: a reason a rollout server gave) without control characters that
-    would move the cursor or recolour the console."""
-    return "".join(c if c.isprintable() or c == "\n" else "?" for c in text)
 
 
 def tqdm_write(text: str) -> None:

@@ -14,11 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlmesh.learner.validation import Bounds, problems
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import Entry, StreamQueue
+
+if TYPE_CHECKING:
+    from rlmesh.learner.watch import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +144,7 @@ class Admission:
             self.buffered.add(group.group_id)
         if self.watch is not None:
             if len(valid) < 2:
-                by_rollout = all(s.error.startswith("invalid_sample") for s in group.samples if s.error)
-                gen = group.generator_id[:100]
-                self.watch.failed(f"rollout server {gen}" if by_rollout else "reward server", reason,
-                                  gen if by_rollout else "reward")
+                self.watch.group_failed(group, reason)
             else:
                 self.watch.scored([s.reward for s in valid])
         return not reason

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from rlmesh.services.config import LearnerSection
+    from rlmesh.v1 import common_pb2
     from rlmesh.services.queue import StreamQueue
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,13 @@ class StallWatch:
                        f"{who}: {why}{where}")
             self.alert(message, fatal=True)
             raise RunStalled(message)
+
+    def group_failed(self, group: common_pb2.TrajectoryGroup, reason: str) -> None:
+        """`failed` for a trajectory group none of whose samples can be trained: the rollout server's
+        fault when every error is its own (`invalid_sample`), else the reward server's."""
+        by_rollout = all(s.error.startswith("invalid_sample") for s in group.samples if s.error)
+        gen = group.generator_id[:100]
+        self.failed(f"rollout server {gen}" if by_rollout else "reward server", reason, gen if by_rollout else "reward")
 
     def scored(self, rewards: list[float]) -> None:
         """A group's valid samples came back scored: with a signal, or all equal (no advantage)."""

@@ -8,7 +8,7 @@ import pytest
 
 from rlmesh.learner.devtools.tiny_model import write_tiny_model
 from rlmesh.services.config import TinyModelSection, load_config
-from rlmesh.up import check_model_fits
+from rlmesh.preflight import check_model_fits
 
 
 def _config(path, *overrides):

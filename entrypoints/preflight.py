@@ -1,0 +1,49 @@
+"""What the launchers (`rlmesh up`, `eval`, `check`) check before starting anything, and how text
+from other tiers is put on the console."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlmesh.services.config import RunConfig
+
+
+def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
+    """Refuse, before starting anything, a model whose architecture the weight broadcast is not proven
+    to keep in sync (services/model_families.py), and a prompt format its tokenizer cannot render
+    (e.g. prompt.format=chat for a base model without a chat template); say which format is used."""
+    from transformers import AutoTokenizer
+
+    from rlmesh.services.config import HFModelSection
+    from rlmesh.services.domain.chat import make_codec
+    from rlmesh.services.model_families import UnsupportedArchitecture, check_supported_architecture
+
+    allow = isinstance(config.model, HFModelSection) and config.model.allow_untested_architecture
+    if (Path(model_dir) / "config.json").is_file() and not allow:
+        try:
+            check_supported_architecture(model_dir)
+        except UnsupportedArchitecture as err:
+            raise SystemExit(f"rlmesh {command}: {err} (model.allow_untested_architecture=true starts anyway)") \
+                from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"rlmesh {command}: cannot load the tokenizer of {model_dir} ({err}); model.path must be "
+                         "an HF model directory with its tokenizer files") from None
+    try:
+        codec = make_codec(tokenizer, config.prompt)
+    except ValueError as err:
+        raise SystemExit(f"rlmesh {command}: {err}") from None
+    if codec.format != "chat":
+        why = "has no chat template" if config.prompt.format == "auto" else "is prompted as configured"
+        print(f"rlmesh {command}: {model_dir} {why}: prompts are plain text (prompt.format="
+              f"{config.prompt.format}; prefix {len(config.prompt.prefix)} chars, suffix {config.prompt.suffix!r}, "
+              f"stop {config.prompt.stop})", flush=True)
+
+
+def printable(text: str) -> str:
+    """`text` (from another tier: a reason a rollout server gave) without control characters that
+    would move the cursor or recolour the console."""
+    return "".join(c if c.isprintable() or c == "\n" else "?" for c in text)
