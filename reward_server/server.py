@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import logging
 import os
@@ -78,7 +79,7 @@ async def serve(config: RunConfig, port: int) -> None:
     server = await start_server(
         [(reward_pb2_grpc.add_RewardServiceServicer_to_server, service, SERVICE_NAME)],
         host=config.network.host, port=port, token=token, tls=tls, insecure=config.network.insecure,
-        limits=ServerLimits.from_config(config.network, "reward"), policy=POLICY,
+        limits=reward_limits(config), policy=POLICY,
     )
     if serve_metrics(config, "reward", f"reward-{server.port}") is not None:
         from rlmesh.reward_server.prom import register
@@ -94,6 +95,17 @@ async def serve(config: RunConfig, port: int) -> None:
     for env in service.local.values():
         if isinstance(env, AgentEnvironment):
             env.close()  # agents still running are killed, not waited for
+
+
+def reward_limits(config: RunConfig) -> ServerLimits:
+    """The reward server's bounds. Its connections end after `network.reward_connection_age_s`, so
+    that rollout servers resolve the reward name again and spread over replicas that joined; a call
+    in flight then still has as long as a whole episode or agent run may take."""
+    grace_s = max(config.rollout.episode.episode_timeout_s + config.rollout.episode.step_timeout_s,
+                  config.reward.agent_timeout_s + 30.0, config.reward.score_timeout_s) + 30.0
+    return dataclasses.replace(ServerLimits.from_config(config.network, "reward"),
+                               max_connection_age_s=config.network.reward_connection_age_s,
+                               connection_age_grace_s=grace_s)
 
 
 async def report_function_health(service: RewardService, server: Server, period_s: float = 1.0) -> None:

@@ -3,7 +3,7 @@
 Local environments (built-in ones and user functions) run through an `EnvRunner` each: a bounded
 pool of worker threads with a timeout, so a hung or slow environment fails its own items and never
 starves the others. Remote environments are proxied to the server registered for them. Sessions
-(`Reset`/`Step`/`Close`) are routed by their id, which names this replica and the environment (see
+(`Reset`/`Step`/`Close`, or one `Session` stream each) are routed by their id, which names this replica and the environment (see
 `rlmesh.reward_server.sessions`, which also says how sessions stay on one replica when scaled out).
 
 Errors: `Score` never fails as a call for what an environment does; every item gets a result, with
@@ -43,6 +43,7 @@ from rlmesh.reward_server.environments.math import MathEnvironment
 from rlmesh.reward_server.limits import RequestLimits
 from rlmesh.reward_server.remote import RemoteEnvironment
 from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
+from rlmesh.reward_server.session_stream import serve_session
 from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
 from rlmesh.services.auth import TLSFiles, peer_tier
 from rlmesh.services.config import RewardSection
@@ -413,6 +414,10 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
     async def Close(self, request, context):
         await self._session_rpc(self.close, request, context)
         return reward_pb2.CloseResponse()
+
+    async def Session(self, request_iterator, context):
+        async for reply in serve_session(self, request_iterator, context, owner=caller(context)):
+            yield reply
 
     async def RunAgent(self, request, context):
         try:

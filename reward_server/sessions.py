@@ -11,13 +11,15 @@ So routing needs no table shared between replicas and survives nothing it should
 state lives in the memory of one process, and the id says which one.
 
 Scaled out: a session stays on one replica because every Step and Close must go to the replica
-that answered its Reset. The caller keeps the channel (address) its Reset went through and sends
-the session's Step and Close on it; behind an L7 load balancer, have the caller send the session id
-as a metadata header and hash on it, or address replicas directly (a Kubernetes headless Service or
-StatefulSet names each pod; set `replica_id` to the pod name). A
-Step that reaches another replica is refused with FAILED_PRECONDITION naming both replicas, never
-served with the wrong state. `Score` is stateless and can go to any replica. A replica that
-restarts loses its sessions; their Steps get NOT_FOUND and the episode ends with that reason.
+that answered its Reset. Rollout servers open each session as one `Session` stream
+(`rlmesh.reward_server.session_stream`), which gRPC keeps on one connection, so it stays whole
+however their channel balances over a reward name's replicas. A caller of the unary methods must
+send Step and Close to the replica that answered Reset itself (address replicas directly — a
+Kubernetes headless Service or StatefulSet names each pod; set `replica_id` to the pod name — or hash
+on the session id behind an L7 balancer). A Step that reaches another replica is refused with
+FAILED_PRECONDITION naming both replicas, never served with the wrong state. `Score` is stateless
+and can go to any replica. A replica that restarts loses its sessions; their Steps get NOT_FOUND
+(or the stream ends UNAVAILABLE) and the episode ends with that reason.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Multi-turn episodes against a reward server's sessions, token-in/token-out.
 
-An episode: Reset (the environment's first messages and its tools) → generate → Step with the
-model's message → append the environment's answer → generate again, until the environment says
+An episode is one `Session` stream to a reward server (see `reward_client`): reset (the
+environment's first messages and its tools) → generate → step with the model's message → append the environment's answer → generate again, until the environment says
 done or a budget ends it (`rollout.episode`: turns, total tokens, per-call and per-episode time).
 
 Token-in/token-out: what vLLM sampled is kept exactly, id for id, and the next turn is generated
@@ -32,13 +32,11 @@ from google.protobuf.json_format import MessageToDict
 
 from rlmesh.v1 import common_pb2, reward_pb2
 from rlmesh.services.domain.chat import as_dicts
-from rlmesh.rollout_server.reward_client import UNREACHABLE
 from rlmesh.services.grpc_client import rpc_problem
-from rlmesh.services.retry import retry
 
 if TYPE_CHECKING:
     from rlmesh.rollout_server.generator import Generation, VLLMGenerator
-    from rlmesh.rollout_server.reward_client import Replica, RewardPool
+    from rlmesh.rollout_server.reward_client import EnvSession, RewardPool
     from rlmesh.services.config import EpisodeSection
 
 log = logging.getLogger(__name__)
@@ -112,21 +110,24 @@ class EpisodeRunner:
 
     async def run_episode(self, group: common_pb2.PromptGroup, index: int) -> EpisodeTrace:
         trace = EpisodeTrace(context=[], num_prompt=0)
-        replica = self.pool.pick()
-        session = ""
+        session: EnvSession | None = None
         try:
             async with asyncio.timeout(self.cfg.episode_timeout_s):
-                request = reward_pb2.ResetRequest(env_name=group.env_name, env_metadata=group.env_metadata,
-                                                  prompt=group.messages)
-                reply = await self._env_call(replica, "Reset", request)
-                session = reply.session_id
+                reset = reward_pb2.ResetRequest(env_name=group.env_name, env_metadata=group.env_metadata,
+                                                prompt=group.messages)
+                try:
+                    session, reply = await self.pool.open_session(
+                        reset, timeout_s=self.cfg.step_timeout_s,
+                        stream_timeout_s=self.cfg.episode_timeout_s + self.cfg.step_timeout_s)
+                except (grpc.aio.AioRpcError, TimeoutError) as err:
+                    raise self._env_failed("reset", "the reward tier", err) from None
                 tools = [MessageToDict(t) for t in reply.tools]
                 try:
                     trace.context = self.codec.prompt(as_dicts(group.messages) + as_dicts(reply.observation), tools)
                 except ValueError as err:
                     raise EpisodeFailed("invalid_prompt", str(err)) from None
                 trace.num_prompt = len(trace.context)
-                await self._turns(group, index, replica, session, tools, trace)
+                await self._turns(group, index, session, tools, trace)
         except EpisodeFailed as err:
             trace.finish_reason, trace.error = err.reason, str(err)
         except TimeoutError:
@@ -134,14 +135,14 @@ class EpisodeRunner:
             trace.error = (f"episode_timeout: the episode ran past rollout.episode.episode_timeout_s="
                            f"{self.cfg.episode_timeout_s}s")
         finally:
-            if session:
-                await self._close(replica, session)
+            if session is not None:
+                await session.close(self.cfg.step_timeout_s)
         if trace.error:
             self.num_failed += 1
             log.warning("group %s episode %d failed: %s", group.group_id, index, trace.error)
         return trace
 
-    async def _turns(self, group: common_pb2.PromptGroup, index: int, replica: Replica, session: str,
+    async def _turns(self, group: common_pb2.PromptGroup, index: int, session: EnvSession,
                      tools: list[dict[str, Any]], trace: EpisodeTrace) -> None:
         for turn in range(self.cfg.max_turns):
             budget = self.max_total - len(trace.context)
@@ -158,7 +159,12 @@ class EpisodeRunner:
 
             t0 = time.monotonic()
             action = common_pb2.ChatMessage(role="assistant", content=gen.text)
-            step = await self._env_call(replica, "Step", reward_pb2.StepRequest(session_id=session, action=action))
+            try:
+                reply = await session.exchange(reward_pb2.SessionRequest(step=reward_pb2.StepRequest(action=action)),
+                                               self.cfg.step_timeout_s)
+            except (grpc.aio.AioRpcError, TimeoutError) as err:
+                raise self._env_failed("step", f"reward server {session.address}", err) from None
+            step = reply.step
             record.env_seconds = time.monotonic() - t0
             trace.reward += step.reward
             if step.done:
@@ -174,31 +180,13 @@ class EpisodeRunner:
             record.num_env_tokens = len(env_ids)
         trace.finish_reason = "max_turns"
 
-    async def _env_call(self, replica: Replica, method: str, request):
-        """Reset or Step on the session's replica, with `step_timeout_s`. A Reset may wait for an
-        unreachable reward tier (no state yet); anything else that fails ends the episode."""
-
-        def unreachable_reset(err: BaseException) -> bool:
-            return (method == "Reset" and isinstance(err, grpc.aio.AioRpcError)
-                    and err.code() == grpc.StatusCode.UNAVAILABLE)
-
-        try:
-            return await retry(lambda: getattr(replica.stub, method)(request, timeout=self.cfg.step_timeout_s),
-                               what=f"reward server {replica.address} unreachable for {method}",
-                               retry_on=unreachable_reset, backoff=UNREACHABLE, describe=rpc_problem, log=log)
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise EpisodeFailed("step_timeout", f"{method} took longer than rollout.episode.step_timeout_s="
-                                                    f"{self.cfg.step_timeout_s}s ({err.details()})") from None
-            raise EpisodeFailed("env_error", f"{method} on reward server {replica.address} failed: "
-                                             f"{code.name}: {err.details()}") from None
-
-    async def _close(self, replica: Replica, session: str) -> None:
-        try:
-            await replica.stub.Close(reward_pb2.CloseRequest(session_id=session), timeout=self.cfg.step_timeout_s)
-        except grpc.aio.AioRpcError as err:  # the episode's result stands; the server evicts idle sessions
-            log.debug("Close %s failed: %s", session, err.code().name)
+    def _env_failed(self, what: str, where: str, err: BaseException) -> EpisodeFailed:
+        """The episode's ending for a reset or step that failed (`step_timeout` or `env_error`)."""
+        if isinstance(err, TimeoutError) or (isinstance(err, grpc.aio.AioRpcError)
+                                             and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
+            return EpisodeFailed("step_timeout", f"the environment's {what} took longer than "
+                                                 f"rollout.episode.step_timeout_s={self.cfg.step_timeout_s}s")
+        return EpisodeFailed("env_error", f"{what} on {where} failed: {rpc_problem(err)}")
 
 
 def trace_sample(index: int, trace: EpisodeTrace, num_shared: int, version: int,

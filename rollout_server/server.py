@@ -171,7 +171,8 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     redis = connect_queue(config.queue, "rollout")
     prompts, trajectories = run_streams(redis, config.queue)
     rewards = RewardPool([Replica(address, reward_pb2_grpc.RewardServiceStub(
-        make_channel(address, token=token, tls=tls, peer="reward", default_timeout_s=config.reward.score_timeout_s)))
+        make_channel(address, token=token, tls=tls, peer="reward", default_timeout_s=config.reward.score_timeout_s,
+                     balanced=True)))
         for address in config.network.reward_addresses], timeout_s=config.reward.score_timeout_s)
     episodes = EpisodeRunner(generator, rewards, config.rollout.episode, config.rollout.max_model_len)
     endpoint = None

@@ -21,22 +21,30 @@ log = logging.getLogger(__name__)
 # reached within ~2 s, at the cost of one refused dial every 2 s while it is down.
 RECONNECT_BACKOFF_MS = (500, 2000)
 
-_RETRY_SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                "name": [{}],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.2s",
-                    "maxBackoff": "5s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
+_RETRY = {
+    "methodConfig": [
+        {
+            "name": [{}],
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.2s",
+                "maxBackoff": "5s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+# The shortest time between two DNS resolutions of one name (gRPC's default: 30 s): a replica that
+# joined is found within seconds of a connection ending.
+MIN_RESOLVE_INTERVAL_MS = 5000
+_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
+
+
+def balanced_target(address: str) -> str:
+    """The gRPC target that resolves every address behind `address` (host:port) by DNS, or `address`
+    unchanged when it already names a resolver (`dns:`, `ipv4:`, ...)."""
+    return address if address.startswith(_SCHEMES) else f"dns:///{address}"
 
 
 class _ClientInterceptor(
@@ -81,19 +89,28 @@ def make_channel(
     default_timeout_s: float = 30.0,
     tls: TLSFiles | None = None,
     peer: str | None = None,
+    balanced: bool = False,
 ) -> grpc.aio.Channel:
     """An aio channel to `address` (host:port); every call gets `default_timeout_s` unless it
     passes its own `timeout=`. Over TLS, `peer` (the tier dialled: learner, rollout, reward) is the
-    name the server's certificate must carry when `tls.server_name_is_tier`."""
+    name the server's certificate must carry when `tls.server_name_is_tier`. `balanced` connects to
+    every address the name resolves to and spreads calls over them round-robin (gRPC's own DNS
+    resolver and `round_robin` policy), resolving again whenever a connection ends."""
+    service_config = dict(_RETRY, loadBalancingConfig=[{"round_robin": {}}]) if balanced else _RETRY
     options = channel_options() + [
         ("grpc.enable_retries", 1),
-        ("grpc.service_config", _RETRY_SERVICE_CONFIG),
+        ("grpc.service_config", json.dumps(service_config)),
+        # The service config is ours alone: a DNS TXT record may not replace it.
+        ("grpc.service_config_disable_resolution", 1),
+        ("grpc.dns_min_time_between_resolutions_ms", MIN_RESOLVE_INTERVAL_MS),
         # gRPC's reconnect backoff grows to 120 s by default: a rollout server that started minutes
         # before its learner (SFT first) would dial it again only up to two minutes after it listens.
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
     interceptors = [_ClientInterceptor(token, default_timeout_s)]
+    if balanced:
+        address = balanced_target(address)
     if tls is not None:
         if peer is not None and tls.server_name_is_tier:
             options.append(("grpc.ssl_target_name_override", peer))

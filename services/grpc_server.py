@@ -45,6 +45,10 @@ class ServerLimits:
     message_key: str = "max_message_bytes"
     max_concurrent_rpcs: int | None = None
     max_metadata_bytes: int | None = None
+    max_connection_age_s: float | None = None
+    """Close each connection (GOAWAY) after this long, so that clients resolve the server's name again."""
+    connection_age_grace_s: float = 60.0
+    """How long calls in flight on such a connection may still run."""
 
     @classmethod
     def from_config(cls, network: NetworkSection, tier: str) -> ServerLimits:
@@ -59,6 +63,9 @@ class ServerLimits:
         options = channel_options(2 * self.max_message_bytes)
         if self.max_metadata_bytes is not None:
             options += [("grpc.max_metadata_size", self.max_metadata_bytes)]
+        if self.max_connection_age_s is not None:
+            options += [("grpc.max_connection_age_ms", int(self.max_connection_age_s * 1000)),
+                        ("grpc.max_connection_age_grace_ms", int(self.connection_age_grace_s * 1000))]
         return options
 
 

@@ -100,7 +100,9 @@ class NetworkSection(Section):
     learner_address: str = "127.0.0.1:50051"
     """Learner control plane."""
     reward_address: str = "127.0.0.1:50052"
-    """Reward server, or several replicas comma-separated (`a:50052,b:50052`): rollout servers spread Score calls and episodes over them."""
+    """Reward server name (host:port); rollout servers spread Score calls and episodes over every address it resolves to, and over several names comma-separated (`a:50052,b:50052`)."""
+    reward_connection_age_s: float = Field(30.0, gt=0)
+    """A reward server ends each client connection after this long (calls in flight finish first), so that rollout servers resolve the reward name again: replicas that join get calls within about this long."""
     token_env: str = "RLMESH_TOKEN"
     """Environment variable holding the shared bearer token (unset: no auth, allowed only on loopback or with `insecure`)."""
     token_file: str | None = None

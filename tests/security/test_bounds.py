@@ -154,3 +154,46 @@ def test_generate_requests_past_the_rollout_bounds_are_refused_naming_the_key():
     assert "rollout.max_model_len=64" in request_problem(group, [1] * 64, cfg)
     group.sampling.max_tokens = 55
     assert "within 1..54" in request_problem(group, [1] * 10, cfg)
+
+
+async def test_a_session_stream_opens_with_a_reset_counts_against_the_limits_and_closes_when_dropped():
+    server, service = await _reward_server("reward.max_sessions_per_client=1", "reward.max_text_chars=100")
+    step = reward_pb2.SessionRequest(step=reward_pb2.StepRequest(
+        action=common_pb2.ChatMessage(role="assistant", content="3")))
+    reset = reward_pb2.SessionRequest(reset=reward_pb2.ResetRequest(env_name="guess_number"))
+    try:
+        async with make_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = reward_pb2_grpc.RewardServiceStub(channel)
+
+            async def stream(*messages):
+                call = stub.Session(timeout=10)
+                for message in messages:
+                    await call.write(message)
+                return call, await call.read()
+
+            for first in (step, reward_pb2.SessionRequest()):
+                await _refused(stream(first), grpc.StatusCode.INVALID_ARGUMENT, "first message must be a reset")
+            held, opened = await stream(reset)
+            assert opened.reset.session_id and len(service.sessions) == 1
+            # The stream's session counts like any other: this caller may hold one.
+            await _refused(stream(reset), grpc.StatusCode.RESOURCE_EXHAUSTED, "reward.max_sessions_per_client=1")
+            await held.write(reset)  # a second reset on an open stream is refused, and ends the session
+            await _refused(held.read(), grpc.StatusCode.INVALID_ARGUMENT, "send steps only")
+            await asyncio.sleep(0.2)
+            assert len(service.sessions) == 0
+            # Bounds hold per message, and a caller that just goes away leaves no session behind.
+            call, _ = await stream(reset)
+            await call.write(reward_pb2.SessionRequest(step=reward_pb2.StepRequest(
+                action=common_pb2.ChatMessage(role="assistant", content="9" * 101))))
+            await _refused(call.read(), grpc.StatusCode.INVALID_ARGUMENT, "reward.max_text_chars=100")
+            call, _ = await stream(reset)
+            assert len(service.sessions) == 1
+            call.cancel()
+            for _ in range(50):
+                if len(service.sessions) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(service.sessions) == 0, "a dropped stream left its session open"
+            await _still_serves(stub)
+    finally:
+        await server.stop(0)

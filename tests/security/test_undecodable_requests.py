@@ -2,8 +2,9 @@
 naming the method, on every service (they all build their server with `start_server`), and the
 server goes on serving; a caller without the token gets UNAUTHENTICATED before anything is parsed.
 Real servers on loopback: the reward and learner services, the rollout service's generated base
-(its real servicer needs vLLM; the refusal happens before the servicer is called) and a
-client-streaming method for the streamed-request path."""
+(its real servicer needs vLLM; the refusal happens before the servicer is called), a
+client-streaming method for the streamed-request path, and the reward server's bidirectional
+`Session`."""
 
 from __future__ import annotations
 
@@ -55,9 +56,12 @@ async def address():
 
 async def _send_garbage(channel: grpc.aio.Channel, method: str, streaming: str, token: str | None):
     """`GARBAGE` as the request (raw bytes: no serializer), as any client of the port could send it."""
-    raw = {"unary": channel.unary_unary, "response": channel.unary_stream, "request": channel.stream_unary}[streaming]
+    raw = {"unary": channel.unary_unary, "response": channel.unary_stream, "request": channel.stream_unary,
+           "both": channel.stream_stream}[streaming]
     call = raw(method, request_serializer=None, response_deserializer=None)
     metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+    if streaming == "both":
+        return [reply async for reply in call(iter([GARBAGE]), timeout=5, metadata=metadata)]
     if streaming == "request":
         return await call(iter([GARBAGE]), timeout=5, metadata=metadata)
     if streaming == "response":
@@ -67,7 +71,8 @@ async def _send_garbage(channel: grpc.aio.Channel, method: str, streaming: str, 
 
 METHODS = [("/rlmesh.v1.RewardService/Score", "unary"), ("/rlmesh.v1.RewardService/Reset", "unary"),
            ("/rlmesh.v1.LearnerService/Heartbeat", "unary"), ("/rlmesh.v1.RolloutService/UpdateWeights", "unary"),
-           ("/rlmesh.v1.RolloutService/Generate", "response"), ("/rlmesh.test.Streams/Collect", "request")]
+           ("/rlmesh.v1.RolloutService/Generate", "response"), ("/rlmesh.test.Streams/Collect", "request"),
+           ("/rlmesh.v1.RewardService/Session", "both")]
 
 
 @pytest.mark.parametrize(("method", "streaming"), METHODS)

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16rlmesh/v1/common.proto\"\xb2\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x02 \x01(\t\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x12\n\ncompletion\x18\x04 \x01(\t\x12\x1c\n\x14\x63ompletion_token_ids\x18\x05 \x03(\x05\x12-\n\x0c\x65nv_metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa7\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12:\n\ncomponents\x18\x03 \x03(\x0b\x32&.rlmesh.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\x0cScoreRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.rlmesh.v1.ScoreItem\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ScoreResult\"w\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12-\n\x0c\x65nv_metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\"x\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x0bobservation\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12&\n\x05tools\x18\x03 \x03(\x0b\x32\x17.google.protobuf.Struct\"I\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x16.rlmesh.v1.ChatMessage\"\xf4\x01\n\x0cStepResponse\x12+\n\x0bobservation\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12)\n\x08metadata\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12;\n\ncomponents\x18\x05 \x03(\x0b\x32\'.rlmesh.v1.StepResponse.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse\"Z\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x16\n\x0eremote_address\x18\x04 \x01(\t\"\x19\n\x17ListEnvironmentsRequest\"L\n\x18ListEnvironmentsResponse\x12\x30\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo\";\n\x1aRegisterEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"N\n\x1bRegisterEnvironmentResponse\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo\"\x9d\x01\n\x0fRunAgentRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12&\n\x06prompt\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12-\n\x0c\x65nv_metadata\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08\x62\x61se_url\x18\x04 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x05 \x01(\t\"\xa5\x01\n\x10RunAgentResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12?\n\ncomponents\x18\x02 \x03(\x0b\x32+.rlmesh.v1.RunAgentResponse.ComponentsEntry\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x84\x04\n\rRewardService\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12:\n\x05Reset\x12\x17.rlmesh.v1.ResetRequest\x1a\x18.rlmesh.v1.ResetResponse\x12\x37\n\x04Step\x12\x16.rlmesh.v1.StepRequest\x1a\x17.rlmesh.v1.StepResponse\x12:\n\x05\x43lose\x12\x17.rlmesh.v1.CloseRequest\x1a\x18.rlmesh.v1.CloseResponse\x12[\n\x10ListEnvironments\x12\".rlmesh.v1.ListEnvironmentsRequest\x1a#.rlmesh.v1.ListEnvironmentsResponse\x12\x43\n\x08RunAgent\x12\x1a.rlmesh.v1.RunAgentRequest\x1a\x1b.rlmesh.v1.RunAgentResponse\x12\x64\n\x13RegisterEnvironment\x12%.rlmesh.v1.RegisterEnvironmentRequest\x1a&.rlmesh.v1.RegisterEnvironmentResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16rlmesh/v1/common.proto\"\xb2\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x02 \x01(\t\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x12\n\ncompletion\x18\x04 \x01(\t\x12\x1c\n\x14\x63ompletion_token_ids\x18\x05 \x03(\x05\x12-\n\x0c\x65nv_metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa7\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12:\n\ncomponents\x18\x03 \x03(\x0b\x32&.rlmesh.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\x0cScoreRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.rlmesh.v1.ScoreItem\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ScoreResult\"w\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12-\n\x0c\x65nv_metadata\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x06prompt\x18\x03 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\"x\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x0bobservation\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12&\n\x05tools\x18\x03 \x03(\x0b\x32\x17.google.protobuf.Struct\"I\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x16.rlmesh.v1.ChatMessage\"\xf4\x01\n\x0cStepResponse\x12+\n\x0bobservation\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12)\n\x08metadata\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12;\n\ncomponents\x18\x05 \x03(\x0b\x32\'.rlmesh.v1.StepResponse.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"j\n\x0eSessionRequest\x12(\n\x05reset\x18\x01 \x01(\x0b\x32\x17.rlmesh.v1.ResetRequestH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.rlmesh.v1.StepRequestH\x00\x42\x06\n\x04kind\"m\n\x0fSessionResponse\x12)\n\x05reset\x18\x01 \x01(\x0b\x32\x18.rlmesh.v1.ResetResponseH\x00\x12\'\n\x04step\x18\x02 \x01(\x0b\x32\x17.rlmesh.v1.StepResponseH\x00\x42\x06\n\x04kind\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse\"Z\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x16\n\x0eremote_address\x18\x04 \x01(\t\"\x19\n\x17ListEnvironmentsRequest\"L\n\x18ListEnvironmentsResponse\x12\x30\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo\";\n\x1aRegisterEnvironmentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"N\n\x1bRegisterEnvironmentResponse\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.rlmesh.v1.EnvironmentInfo\"\x9d\x01\n\x0fRunAgentRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12&\n\x06prompt\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12-\n\x0c\x65nv_metadata\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08\x62\x61se_url\x18\x04 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x05 \x01(\t\"\xa5\x01\n\x10RunAgentResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12?\n\ncomponents\x18\x02 \x03(\x0b\x32+.rlmesh.v1.RunAgentResponse.ComponentsEntry\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xca\x04\n\rRewardService\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12:\n\x05Reset\x12\x17.rlmesh.v1.ResetRequest\x1a\x18.rlmesh.v1.ResetResponse\x12\x37\n\x04Step\x12\x16.rlmesh.v1.StepRequest\x1a\x17.rlmesh.v1.StepResponse\x12:\n\x05\x43lose\x12\x17.rlmesh.v1.CloseRequest\x1a\x18.rlmesh.v1.CloseResponse\x12\x44\n\x07Session\x12\x19.rlmesh.v1.SessionRequest\x1a\x1a.rlmesh.v1.SessionResponse(\x01\x30\x01\x12[\n\x10ListEnvironments\x12\".rlmesh.v1.ListEnvironmentsRequest\x1a#.rlmesh.v1.ListEnvironmentsResponse\x12\x43\n\x08RunAgent\x12\x1a.rlmesh.v1.RunAgentRequest\x1a\x1b.rlmesh.v1.RunAgentResponse\x12\x64\n\x13RegisterEnvironment\x12%.rlmesh.v1.RegisterEnvironmentRequest\x1a&.rlmesh.v1.RegisterEnvironmentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,26 +59,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPRESPONSE']._serialized_end=1116
   _globals['_STEPRESPONSE_COMPONENTSENTRY']._serialized_start=391
   _globals['_STEPRESPONSE_COMPONENTSENTRY']._serialized_end=440
-  _globals['_CLOSEREQUEST']._serialized_start=1118
-  _globals['_CLOSEREQUEST']._serialized_end=1152
-  _globals['_CLOSERESPONSE']._serialized_start=1154
-  _globals['_CLOSERESPONSE']._serialized_end=1169
-  _globals['_ENVIRONMENTINFO']._serialized_start=1171
-  _globals['_ENVIRONMENTINFO']._serialized_end=1261
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1263
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1288
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1290
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=1366
-  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_start=1368
-  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_end=1427
-  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_start=1429
-  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_end=1507
-  _globals['_RUNAGENTREQUEST']._serialized_start=1510
-  _globals['_RUNAGENTREQUEST']._serialized_end=1667
-  _globals['_RUNAGENTRESPONSE']._serialized_start=1670
-  _globals['_RUNAGENTRESPONSE']._serialized_end=1835
+  _globals['_SESSIONREQUEST']._serialized_start=1118
+  _globals['_SESSIONREQUEST']._serialized_end=1224
+  _globals['_SESSIONRESPONSE']._serialized_start=1226
+  _globals['_SESSIONRESPONSE']._serialized_end=1335
+  _globals['_CLOSEREQUEST']._serialized_start=1337
+  _globals['_CLOSEREQUEST']._serialized_end=1371
+  _globals['_CLOSERESPONSE']._serialized_start=1373
+  _globals['_CLOSERESPONSE']._serialized_end=1388
+  _globals['_ENVIRONMENTINFO']._serialized_start=1390
+  _globals['_ENVIRONMENTINFO']._serialized_end=1480
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1482
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1507
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1509
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=1585
+  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_start=1587
+  _globals['_REGISTERENVIRONMENTREQUEST']._serialized_end=1646
+  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_start=1648
+  _globals['_REGISTERENVIRONMENTRESPONSE']._serialized_end=1726
+  _globals['_RUNAGENTREQUEST']._serialized_start=1729
+  _globals['_RUNAGENTREQUEST']._serialized_end=1886
+  _globals['_RUNAGENTRESPONSE']._serialized_start=1889
+  _globals['_RUNAGENTRESPONSE']._serialized_end=2054
   _globals['_RUNAGENTRESPONSE_COMPONENTSENTRY']._serialized_start=391
   _globals['_RUNAGENTRESPONSE_COMPONENTSENTRY']._serialized_end=440
-  _globals['_REWARDSERVICE']._serialized_start=1838
-  _globals['_REWARDSERVICE']._serialized_end=2354
+  _globals['_REWARDSERVICE']._serialized_start=2057
+  _globals['_REWARDSERVICE']._serialized_end=2643
 # @@protoc_insertion_point(module_scope)

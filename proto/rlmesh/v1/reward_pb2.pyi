@@ -104,6 +104,22 @@ class StepResponse(_message.Message):
     components: _containers.ScalarMap[str, float]
     def __init__(self, observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., components: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("reset", "step")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    reset: ResetRequest
+    step: StepRequest
+    def __init__(self, reset: _Optional[_Union[ResetRequest, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("reset", "step")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    reset: ResetResponse
+    step: StepResponse
+    def __init__(self, reset: _Optional[_Union[ResetResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...
+
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class RewardServiceStub:
                 request_serializer=rlmesh_dot_v1_dot_reward__pb2.CloseRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_reward__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/rlmesh.v1.RewardService/Session',
+                request_serializer=rlmesh_dot_v1_dot_reward__pb2.SessionRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_reward__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.ListEnvironments = channel.unary_unary(
                 '/rlmesh.v1.RewardService/ListEnvironments',
                 request_serializer=rlmesh_dot_v1_dot_reward__pb2.ListEnvironmentsRequest.SerializeToString,
@@ -96,6 +101,17 @@ class RewardServiceServicer:
 
     def Close(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """One multi-turn session as one stream, which is what rlmesh's rollout servers use: a reset
+        first, then steps; the session closes when the caller ends the stream or the call ends any
+        other way. A stream stays on the replica that opened it, however the caller's channel balances
+        calls over a reward name's replicas. Environment servers plugged in behind a reward server
+        need not implement it (the reward server proxies them with Reset, Step and Close).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -143,6 +159,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=rlmesh_dot_v1_dot_reward__pb2.CloseRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_reward__pb2.CloseResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=rlmesh_dot_v1_dot_reward__pb2.SessionRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_reward__pb2.SessionResponse.SerializeToString,
             ),
             'ListEnvironments': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEnvironments,
@@ -268,6 +289,33 @@ class RewardService:
             '/rlmesh.v1.RewardService/Close',
             rlmesh_dot_v1_dot_reward__pb2.CloseRequest.SerializeToString,
             rlmesh_dot_v1_dot_reward__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rlmesh.v1.RewardService/Session',
+            rlmesh_dot_v1_dot_reward__pb2.SessionRequest.SerializeToString,
+            rlmesh_dot_v1_dot_reward__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
