@@ -88,7 +88,8 @@ def problems(group: common_pb2.TrajectoryGroup, issued: common_pb2.PromptGroup, 
         return f"split {group.prompt.split!r} but issued as {issued.split!r}"
     if len(group.samples) != issued.n:
         return f"{len(group.samples)} samples, issued for {issued.n}"
-    if not group.prompt_token_ids:
+    if not group.prompt_token_ids and not all(sample.error for sample in group.samples):
+        # (A group whose every sample failed, e.g. episodes whose reset failed, has no prompt to share.)
         return "no prompt tokens"
     if problem := _token_problem(group.prompt_token_ids, bounds.vocab_size, "prompt"):
         return problem

@@ -47,12 +47,9 @@ def balanced_target(address: str) -> str:
     return address if address.startswith(_SCHEMES) else f"dns:///{address}"
 
 
-class _ClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _ClientInterceptor:
+    """Adds the bearer token, the trace context and a default deadline to a call."""
+
     def __init__(self, token: str | None, default_timeout_s: float) -> None:
         self._token = token
         self._timeout = default_timeout_s
@@ -69,15 +66,25 @@ class _ClientInterceptor(
             wait_for_ready=details.wait_for_ready,
         )
 
+
+# One interceptor object per kind of call: grpc.aio files an interceptor under the first of the four
+# kinds it implements only, so one object implementing all four would miss every streaming call.
+class _UnaryUnary(_ClientInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _UnaryStream(_ClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _StreamUnary(_ClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStream(_ClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
@@ -108,7 +115,7 @@ def make_channel(
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
-    interceptors = [_ClientInterceptor(token, default_timeout_s)]
+    interceptors = [kind(token, default_timeout_s) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
     if balanced:
         address = balanced_target(address)
     if tls is not None:

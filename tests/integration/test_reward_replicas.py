@@ -25,6 +25,7 @@ from tests.integration.dns_stub import StubDNS
 pytestmark = pytest.mark.integration
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 AGE_S = 1.5  # network.reward_connection_age_s
+TOKEN = "replica-token"  # every call, the streamed sessions' included, must carry it
 
 
 class CountingReward(RewardService):
@@ -67,11 +68,12 @@ async def test_a_reward_name_spreads_calls_over_its_replicas_as_they_join_and_le
     services = {host: CountingReward(f"r{i + 1}") for i, host in enumerate(HOSTS)}
     limits = ServerLimits(max_connection_age_s=AGE_S, connection_age_grace_s=60.0)
     servers = {host: await start_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, service,
-                                          "rlmesh.v1.RewardService")], host=host, port=port, limits=limits)
+                                          "rlmesh.v1.RewardService")], host=host, port=port, limits=limits,
+                                         token=TOKEN)
                for host, service in services.items()}
     dns = StubDNS(HOSTS[:1])
     target = dns.target("reward.rlmesh.test", port)
-    channel = make_channel(target, default_timeout_s=5, balanced=True)
+    channel = make_channel(target, default_timeout_s=5, balanced=True, token=TOKEN)
     pool = RewardPool([Replica(target, reward_pb2_grpc.RewardServiceStub(channel))], timeout_s=5)
 
     def counts() -> dict[str, int]:
@@ -135,11 +137,11 @@ async def test_a_session_whose_replica_dies_fails_and_a_new_one_opens_elsewhere(
     port = _free_port()
     services = {host: CountingReward(f"r{i + 1}") for i, host in enumerate(HOSTS[:2])}
     servers = {host: await start_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, service,
-                                          "rlmesh.v1.RewardService")], host=host, port=port)
+                                          "rlmesh.v1.RewardService")], host=host, port=port, token=TOKEN)
                for host, service in services.items()}
     dns = StubDNS(HOSTS[:2])
     target = dns.target("reward.rlmesh.test", port)
-    channel = make_channel(target, default_timeout_s=5, balanced=True)
+    channel = make_channel(target, default_timeout_s=5, balanced=True, token=TOKEN)
     pool = RewardPool([Replica(target, reward_pb2_grpc.RewardServiceStub(channel))], timeout_s=5)
     reset = reward_pb2.ResetRequest(env_name="guess_number")
     try:

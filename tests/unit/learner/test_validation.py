@@ -162,6 +162,26 @@ async def test_a_failed_sample_is_not_checked_it_is_never_trained():
     assert await admission.accept(_entry(group), group, version=2)
 
 
+async def test_a_group_whose_every_episode_failed_before_its_prompt_is_a_failed_group_not_a_malformed_one():
+    """Episodes whose reset failed have no prompt to share: the group comes back with no prompt tokens,
+    and counts as failed (the stall watch sees it), instead of waiting for a copy that never comes."""
+    from rlmesh.learner.watch import RunStalled, StallWatch
+
+    issuer, admission, issued = await _setup()
+    admission.watch = StallWatch(Records(), failure_limit=2)
+    for i, prompt in enumerate(issued[:2]):
+        group = trajectory(prompt, 2)
+        group.ClearField("prompt_token_ids")
+        for sample in group.samples:
+            sample.error = "env_error: reset on the reward tier failed: UNAVAILABLE: gone"
+        if i == 0:
+            assert not await admission.accept(_entry(group), group, version=2)
+        else:
+            with pytest.raises(RunStalled, match="reward server: 0 valid samples .*reset on the reward tier failed"):
+                await admission.accept(_entry(group), group, version=2)
+    assert admission.num_dropped_invalid == 0 and not admission.malformed and issuer.in_flight == 2
+
+
 async def _restarted(num_in_flight: int):
     """run-a's groups, then a learner restarted as run-b with `num_in_flight` of them still out;
     run-b tops the train groups up to its bound."""
