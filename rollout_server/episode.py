@@ -166,6 +166,7 @@ class EpisodeRunner:
                 raise self._env_failed("step", f"reward server {session.address}", err) from None
             step = reply.step
             record.env_seconds = time.monotonic() - t0
+            record.reward = step.reward
             trace.reward += step.reward
             if step.done:
                 trace.components = dict(step.components)

@@ -18,6 +18,8 @@ class Sequence:
     advantage: float = 0.0
     group_key: str = ""
     reward: float = 0.0
+    token_advantages: list[float] | None = None
+    """Per completion token (per-turn credit); None: `advantage` for every token."""
 
 
 @dataclass
@@ -29,6 +31,8 @@ class MicroBatch:
     behaviour_logprobs_BT: torch.Tensor
     advantages_B: torch.Tensor
     old_logprobs_BT: torch.Tensor | None = None
+    # Per token, aligned with loss_mask_BT, where some sequence has per-token advantages; else None.
+    advantages_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
     # Each row's index in the step's whole batch (empty for a padding micro-batch).
     seq_index_B: list[int] = field(default_factory=list)
@@ -76,7 +80,14 @@ def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
         if s.behaviour_logprobs:
             behaviour[i, n_p - 1 : n_p - 1 + n_c] = torch.tensor(s.behaviour_logprobs)
     advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
-    return MicroBatch(input_ids, attention, loss_mask, behaviour, advantages)
+    micro = MicroBatch(input_ids, attention, loss_mask, behaviour, advantages)
+    if any(s.token_advantages is not None for s in seqs):
+        micro.advantages_BT = advantages[:, None].repeat(1, max_len - 1)
+        for i, s in enumerate(seqs):
+            if s.token_advantages is not None:
+                n_p = len(s.prompt_ids)
+                micro.advantages_BT[i, n_p - 1: n_p - 1 + len(s.token_advantages)] = torch.tensor(s.token_advantages)
+    return micro
 
 
 def row_length(seqs: list[Sequence], row: list[int]) -> int:

@@ -22,7 +22,7 @@ from rlmesh.services.config.reward import (
 )
 from rlmesh.services.config.training import (
     LoRASection, StallSection, FSDP2BackendSection, MegatronBackendSection, BackendSection, LearnerSection, SFTSection,
-    DPOSection, OffPolicySection, KLSection, AlgorithmSection, CheckpointSection,
+    DPOSection, OffPolicySection, KLSection, CreditSection, AlgorithmSection, CheckpointSection,
 )
 from rlmesh.services.config.transport import (
     QueueSection, WeightSyncSection, TLSSection, LimitsSection, NetworkSection, LoggingSection,
@@ -38,7 +38,7 @@ __all__ = [
     "RolloutSection", "McpEnvironmentSection", "CodeEnvironmentSection", "JudgeEnvironmentSection",
     "OpenEnvEnvironmentSection", "MathEnvironmentSection", "RewardSection", "LoRASection", "StallSection",
     "FSDP2BackendSection", "MegatronBackendSection", "BackendSection", "LearnerSection", "SFTSection",
-    "DPOSection", "OffPolicySection", "KLSection", "AlgorithmSection", "CheckpointSection", "QueueSection",
+    "DPOSection", "OffPolicySection", "KLSection", "CreditSection", "AlgorithmSection", "CheckpointSection", "QueueSection",
     "WeightSyncSection", "TLSSection", "LimitsSection", "NetworkSection", "LoggingSection", "RunConfig",
     "ConfigError", "REDACTED", "format_validation_error", "parse_override", "set_path", "apply_overrides",
     "read_config_file", "validate_config", "load_config", "redact_url", "public_dict", "dump_config",

@@ -181,6 +181,15 @@ class KLSection(Section):
     """`loss`: coef * estimator(pi_theta, pi_ref) added to each token's loss (differentiated); `reward`: coef * the summed estimator of the sampled sequence under the behaviour policy subtracted from its reward before advantages."""
 
 
+class CreditSection(Section):
+    assign: Literal["episode", "turn", "turn_state"] = "episode"
+    """How a multi-turn episode's rewards become its tokens' advantages: `episode`, one group-relative advantage for every sampled token of the episode; `turn`, each turn's tokens get the group-relative advantage of that turn's discounted return (its reward and what followed), compared with every turn of the group; `turn_state`, the episode's advantage plus `state_weight` times the advantage of the turn's return among the group's turns taken from the same context (GiGPO's step groups). Turn rewards are the environment's step rewards (docs/training.md)."""
+    discount: float = Field(1.0, ge=0, le=1)
+    """gamma of a turn's return r_t + gamma r_t+1 + ... (`turn`, `turn_state`)."""
+    state_weight: float = Field(1.0, ge=0)
+    """Weight of the same-state advantage added to the episode's (`turn_state`)."""
+
+
 class AlgorithmSection(Section):
     name: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
     """Policy-gradient family member (sets advantage and loss normalisation)."""
@@ -202,6 +211,15 @@ class AlgorithmSection(Section):
     """How the behaviour policy's (vLLM's) logprobs correct the loss."""
     kl: KLSection = KLSection()
     """KL penalty to a frozen copy of the starting policy."""
+    credit: CreditSection = CreditSection()
+    """Per-episode or per-turn credit for multi-turn episodes."""
+
+    @model_validator(mode="after")
+    def _credit_with_kl(self) -> "AlgorithmSection":
+        if self.credit.assign != "episode" and self.kl.coef > 0 and self.kl.where == "reward":
+            raise ValueError(f"algorithm.credit.assign={self.credit.assign} takes the KL penalty in the loss only: "
+                             "set algorithm.kl.where=loss (the reward penalty is per sequence, not per turn)")
+        return self
 
 
 class CheckpointSection(Section):

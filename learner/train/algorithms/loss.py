@@ -44,7 +44,8 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
     if old_BT is None:
         assert cfg.old_from_forward, "old logprobs must be recomputed before the step"
         old_BT = logprobs_BT.detach()
-    adv_B1 = micro.advantages_B[:, None]
+    # [B, 1] (one advantage per sequence) or [B, T-1] (per token: per-turn credit); both broadcast.
+    adv_B1 = micro.advantages_BT if micro.advantages_BT is not None else micro.advantages_B[:, None]
 
     log_ratio_BT = (logprobs_BT - old_BT) * mask_BT
     off_cfg = cfg.off_policy or OffPolicyConfig(tis_cap=cfg.tis_cap)

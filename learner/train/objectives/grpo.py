@@ -11,6 +11,7 @@ import torch
 from rlmesh.learner.train.algorithms.advantages import group_advantages
 from rlmesh.learner.train.algorithms.loss import LossConfig, policy_loss
 from rlmesh.learner.train.algorithms.off_policy import OffPolicyConfig
+from rlmesh.learner.train.algorithms.turn_credit import turn_advantages
 from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class GRPOObjective:
         self.needs_old_logprobs = cfg.recompute_old_logprobs
         self.needs_ref_logprobs = cfg.kl.coef > 0
         self.kl_in_reward = self.needs_ref_logprobs and cfg.kl.where == "reward"
+        self.credit = cfg.credit
         self.kl_coef, self.kl_estimator, self.kl_clamp = cfg.kl.coef, cfg.kl.estimator, cfg.kl.clamp
         off = cfg.off_policy
         self.cfg = LossConfig(cfg.name, cfg.clip_low, cfg.clip_high, cfg.tis_cap, max_tokens,
@@ -46,9 +48,13 @@ class GRPOObjective:
         for g in groups:
             valid = [s for s in g.samples if not s.error]
             adv = group_advantages(torch.tensor([s.reward for s in valid]), self.name)
-            for s, a in zip(valid, adv.tolist()):
+            per_token = ([None] * len(valid) if self.credit.assign == "episode" else
+                         turn_advantages(g, valid, self.name, self.credit.assign, discount=self.credit.discount,
+                                         state_weight=self.credit.state_weight))
+            for s, a, tokens in zip(valid, adv.tolist(), per_token):
                 seqs.append(Sequence(list(g.prompt_token_ids), list(s.completion.token_ids),
-                                     list(s.completion.loss_mask), list(s.logprobs), a, g.group_id, s.reward))
+                                     list(s.completion.loss_mask), list(s.logprobs), a, g.group_id, s.reward,
+                                     token_advantages=tokens))
         return seqs
 
     def reshape_advantages(self, seqs: list[Sequence], kl_B: torch.Tensor) -> None:

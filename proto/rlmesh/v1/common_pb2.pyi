@@ -112,7 +112,7 @@ class Sample(_message.Message):
     def __init__(self, index: _Optional[int] = ..., completion: _Optional[_Union[TokenSequence, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., text: _Optional[str] = ..., num_turns: _Optional[int] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("start", "num_sampled_tokens", "num_env_tokens", "min_version", "max_version", "finish_reason", "env_seconds")
+    __slots__ = ("start", "num_sampled_tokens", "num_env_tokens", "min_version", "max_version", "finish_reason", "env_seconds", "reward")
     START_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ENV_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class Turn(_message.Message):
     MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ENV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
     start: int
     num_sampled_tokens: int
     num_env_tokens: int
@@ -127,7 +128,8 @@ class Turn(_message.Message):
     max_version: int
     finish_reason: str
     env_seconds: float
-    def __init__(self, start: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_env_tokens: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., env_seconds: _Optional[float] = ...) -> None: ...
+    reward: float
+    def __init__(self, start: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_env_tokens: _Optional[int] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., env_seconds: _Optional[float] = ..., reward: _Optional[float] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("group_id", "run_id", "prompt", "prompt_token_ids", "samples", "generator_id", "generation_seconds", "trace_context")
