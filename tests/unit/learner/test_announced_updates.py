@@ -116,17 +116,22 @@ async def test_forged_malformed_and_oversized_reports_are_ignored(valkey_url):
     announcer = UpdateAnnouncer(queue, prefix="test:forged")
     _, reports = await announcer.open(3)
     good = rollout_pb2.UpdateWeightsReport(generator_id="a", version=7, group_epoch=3).SerializeToString()
-    mac = lambda key: hmac.new(key, good, hashlib.sha256).digest()  # noqa: E731
-    for fields in ({REPORT_FIELD: b"\xff\x00not a protobuf"},  # malformed
+    # Reports in a's name saying its update failed: counted, they would replace a's good report.
+    forged = rollout_pb2.UpdateWeightsReport(generator_id="a", version=7, group_epoch=3,
+                                             error="forged: a's update failed").SerializeToString()
+    mac = lambda key, data=good: hmac.new(key, data, hashlib.sha256).digest()  # noqa: E731
+    for fields in ({REPORT_FIELD: good, MAC_FIELD: mac(announcer.report_key_for("a"))},  # a's own, first
+                   {REPORT_FIELD: b"\xff\x00not a protobuf"},  # malformed
                    {REPORT_FIELD: b"\x00" * (MAX_REPORT_BYTES + 1)},  # oversized
                    {b"x": good},  # no report field
                    {REPORT_FIELD: rollout_pb2.UpdateWeightsReport(generator_id="stranger", version=7,
                                                                   group_epoch=3).SerializeToString()},
                    {REPORT_FIELD: rollout_pb2.UpdateWeightsReport(generator_id="b", version=7,
                                                                   group_epoch=2).SerializeToString()},  # old group
-                   {REPORT_FIELD: good},  # unsigned
-                   {REPORT_FIELD: good, MAC_FIELD: mac(announcer.report_key_for("b"))},  # b reporting in a's name
-                   {REPORT_FIELD: good, MAC_FIELD: mac(announcer.report_key_for("a"))}):
+                   {REPORT_FIELD: forged},  # unsigned
+                   {REPORT_FIELD: forged, MAC_FIELD: b"\x00" * 32},  # a made-up MAC
+                   {REPORT_FIELD: forged, MAC_FIELD: mac(announcer.report_key_for("b"), forged)},  # b in a's name
+                   {REPORT_FIELD: forged, MAC_FIELD: mac(announcer.report_key_for("a"))}):  # a's MAC of other bytes
         await queue.xadd(reports, fields)
     got = await announcer.collect(7, 3, {"a", "b"}, timeout_s=0.5)
     assert isinstance(got["a"], rollout_pb2.UpdateWeightsResponse)
