@@ -29,7 +29,7 @@ test: setup bench-setup test-tools
 test-tools:
 	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
-	  || echo "make test-tools: could not install Debian's prometheus; the observability test will skip"; }
+	  || echo "make test-tools: could not install Debian's prometheus; the observability test checks the metrics endpoints without it"; }
 	@command -v kubectl >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null) \
 	  || echo "make test-tools: could not install Debian's kubernetes-client (kubectl); the kustomize tests in tests/unit/services/test_deploy.py will skip"; }

@@ -8,6 +8,7 @@ the step metrics through the learner."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import warnings
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -111,6 +113,19 @@ def _query(port: int, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+def prometheus_available() -> bool:
+    """Whether Debian's prometheus is here. Where it is missing on a machine that could install it (root,
+    apt), that is a failure (`make test-tools` installs it); elsewhere the endpoints are checked alone,
+    with a warning saying Prometheus' view is not."""
+    if shutil.which("prometheus"):
+        return True
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        raise AssertionError("Debian's prometheus is not installed (make test-tools installs it)")
+    warnings.warn("no prometheus binary and no way to install one here (not root, or no apt): the metrics "
+                  "endpoints are checked, Prometheus' view of them is not")
+    return False
+
+
 class Observer:
     """The OTLP receiver and (where Debian's prometheus is installed) a Prometheus server watching
     one run: `start` before the run, `watch` while it trains, `check` after it ended."""
@@ -129,30 +144,34 @@ class Observer:
         up.wait_for(lambda: set(_ports(run_dir)) == {"learner", "rollout", "reward"}, 400, "three metrics endpoints")
         ports = _ports(run_dir)
         up.wait_for(lambda: _scrape(ports["learner"]).get("rlmesh_learner_policy_version", 0) >= 1, 400, "step 1")
-        assert shutil.which("prometheus"), "Debian's prometheus is not installed (make test-tools installs it)"
-        self.prometheus, prom_port = _prometheus(self.tmp_path, ports)
-        up.wait_for(lambda: (_query(prom_port, "rlmesh_learner_policy_version") or 0) >= 1
-                    and None not in [_query(prom_port, e) for e in QUERIES], 300, "every series in Prometheus")
+        prom_port = None
+        if prometheus_available():
+            self.prometheus, prom_port = _prometheus(self.tmp_path, ports)
+            up.wait_for(lambda: (_query(prom_port, "rlmesh_learner_policy_version") or 0) >= 1
+                        and None not in [_query(prom_port, e) for e in QUERIES], 300, "every series in Prometheus")
         first = {tier: _scrape(port) for tier, port in ports.items()}
-        q1 = {e: _query(prom_port, e) for e in QUERIES}
-        later: dict = {}
+        q1 = {e: _query(prom_port, e) for e in QUERIES} if prom_port else {}
+        later: dict = {"q": {}}
 
         def moved() -> bool:
             # the learner's version and the rollout's token counter move at their own times (generation runs
             # ahead of training by up to max_staleness versions): wait until both have, in Prometheus and on
             # the endpoints
-            later["q"] = {e: _query(prom_port, e) for e in QUERIES}
             try:
                 later["scrape"] = {tier: _scrape(port) for tier, port in ports.items()}
             except OSError:  # a tier restarting or already gone: the wait's own checks say which
                 return False
-            q, scrape = later["q"], later["scrape"]
-            return None not in q.values() and \
-                q["rlmesh_learner_policy_version"] > q1["rlmesh_learner_policy_version"] and \
-                q["rlmesh_rollout_generated_tokens_total"] > q1["rlmesh_rollout_generated_tokens_total"] and \
-                scrape["learner"]["rlmesh_learner_policy_version"] > first["learner"]["rlmesh_learner_policy_version"] \
-                and scrape["rollout"]["rlmesh_rollout_generated_tokens_total"] > \
+            scrape = later["scrape"]
+            endpoints_moved = scrape["learner"]["rlmesh_learner_policy_version"] > \
+                first["learner"]["rlmesh_learner_policy_version"] and \
+                scrape["rollout"]["rlmesh_rollout_generated_tokens_total"] > \
                 first["rollout"]["rlmesh_rollout_generated_tokens_total"]
+            if prom_port is None:
+                return endpoints_moved
+            later["q"] = q = {e: _query(prom_port, e) for e in QUERIES}
+            return endpoints_moved and None not in q.values() and \
+                q["rlmesh_learner_policy_version"] > q1["rlmesh_learner_policy_version"] and \
+                q["rlmesh_rollout_generated_tokens_total"] > q1["rlmesh_rollout_generated_tokens_total"]
 
         up.wait_for(moved, 300, "a later step and more generated tokens in Prometheus")
         self.seen = {"q1": q1, "first": first, "q2": later["q"], "second": later["scrape"]}
@@ -165,9 +184,10 @@ class Observer:
     def check(self, run_dir, num_steps: int) -> None:
         """After the run: what Prometheus and the endpoints showed, the spans, the logs, TensorBoard."""
         q1, first, q2, second = (self.seen[k] for k in ("q1", "first", "q2", "second"))
-        assert None not in q2.values(), q2
-        assert q2["rlmesh_rollout_generated_tokens_total"] > q1["rlmesh_rollout_generated_tokens_total"]
-        assert q2["rate(rlmesh_rollout_generated_tokens_total[10s])"] > 0  # rollout tokens/s
+        if q1:  # Prometheus' view (where it could run)
+            assert None not in q2.values(), q2
+            assert q2["rlmesh_rollout_generated_tokens_total"] > q1["rlmesh_rollout_generated_tokens_total"]
+            assert q2["rate(rlmesh_rollout_generated_tokens_total[10s])"] > 0  # rollout tokens/s
         assert second["learner"]["rlmesh_learner_policy_version"] > first["learner"]["rlmesh_learner_policy_version"]
         assert second["rollout"]["rlmesh_rollout_generated_tokens_total"] > \
             first["rollout"]["rlmesh_rollout_generated_tokens_total"]
