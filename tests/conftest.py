@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from tests import deadline, processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,6 +87,14 @@ def _stop_what_the_test_started(request):
     """Every process launched during the test is stopped after it, whether it passed, failed or
     timed out (pytest-timeout's signal method unwinds to here)."""
     yield from _owning(processes.OWNER_ENV, request.node.nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Starts the test's clock (`tests/deadline.py`) when pytest-timeout starts its own."""
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker is not None and marker.args else item.config.getini("timeout")
+    deadline.start(float(limit or 0))
 
 
 def pytest_sessionfinish(session, exitstatus):

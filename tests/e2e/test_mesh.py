@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import deadline as test_deadline
+
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,14 +51,16 @@ class Up:
             pass
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
+        timeout = test_deadline.cap(timeout)
         deadline = time.monotonic() + timeout
         while not predicate():
             self.poll_children()
             assert self.proc.poll() is None or predicate(), f"rlmesh up exited early:\n{self.output()[-3000:]}"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting {timeout:.0f} s for {what}:\n{self.output()[-3000:]}"
             time.sleep(0.5)
 
     def finish(self, timeout: float) -> int:
+        timeout = test_deadline.cap(timeout)
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None:
             self.poll_children()

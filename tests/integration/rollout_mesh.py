@@ -23,6 +23,7 @@ from rlmesh.services.grpc_server import start_server
 from rlmesh.services.ports import free_port
 from rlmesh.services.weights import build_sender
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc
+from tests import deadline as test_deadline
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +57,7 @@ async def rollout_mesh(tmp: Path, model_dir: Path, valkey_url: str, *, rollout: 
             procs.append(subprocess.Popen(cli + args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True))
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + test_deadline.cap(300)
         while "gen-0" not in membership.generators:
             assert procs[1].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "rollout server did not register in 300s"

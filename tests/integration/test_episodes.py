@@ -27,6 +27,7 @@ from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from rlmesh.services.grpc_server import start_server
 from rlmesh.services.ports import free_port
 from tests.integration.env_servers import start_mcp_server, start_openenv_server
+from tests import deadline as test_deadline
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
         _spawn(["rollout", "-c", str(tmp / "main.yaml"), "--port", "0", "--generator-id", "gen-0"],
                tmp / "rollout.log"),
     ]
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + test_deadline.cap(300)
     while "gen-0" not in membership.generators:
         assert procs[2].poll() is None, (tmp / "rollout.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "rollout server did not register in 300s"
@@ -121,7 +122,7 @@ def _group(env: str, n: int, **metadata) -> common_pb2.PromptGroup:
 
 async def _collect(mesh, group_ids: set[str], timeout_s: float = 240) -> dict[str, common_pb2.TrajectoryGroup]:
     out: dict[str, common_pb2.TrajectoryGroup] = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + test_deadline.cap(timeout_s)
     while set(out) != group_ids:
         assert time.monotonic() < deadline, f"missing trajectories: {sorted(group_ids - set(out))}"
         for e in await mesh["trajectories"].read("learner", count=16, block_ms=500):
@@ -210,7 +211,7 @@ async def test_failing_tools_and_a_killed_env_server_end_episodes_with_named_rea
     far = _group("far", 1, sleep_s=30.0, flag=str(flag))
     for g in (sleepy, raising, far):
         await mesh["prompts"].publish(g.group_id, g.SerializeToString())
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + test_deadline.cap(120)
     while not flag.exists():
         assert time.monotonic() < deadline, "the remote environment never started its step"
         await asyncio.sleep(0.05)

@@ -22,6 +22,7 @@ import pytest
 from rlmesh.reward_server.environments.base import ScoreInput
 from rlmesh.reward_server.environments.judge import JudgeEnvironment
 from rlmesh.services.ports import free_port
+from tests import deadline as test_deadline
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +49,7 @@ def vllm_url(tiny_model_dir):
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "512"],
                             env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + test_deadline.cap(300)
     try:
         while True:
             assert proc.poll() is None, f"the vLLM server exited with {proc.returncode} while starting"

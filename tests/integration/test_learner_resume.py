@@ -18,6 +18,7 @@ import pytest
 import redis
 import yaml
 from rlmesh.services.ports import free_port
+from tests import deadline as test_deadline
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def _wait(predicate, timeout: float, what: str, procs=(), log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + test_deadline.cap(timeout)
     while not predicate():
         for p in procs:
             assert p.poll() in (None, 0), f"{what}: a process died\n{log.read_text()[-3000:] if log else ''}"
