@@ -276,6 +276,41 @@ def test_k8s_secrets_are_required_and_valkey_needs_its_password(rendered):
     assert scaler["spec"]["triggers"][0]["authenticationRef"]["name"] == auth["metadata"]["name"]
 
 
+def test_rollout_autoscaling_reads_the_runs_own_prompt_stream_and_reward_replicas_are_resolved_by_name(rendered):
+    """KEDA's ScaledObject has no schema offline: what it must agree with is checked here. The scaler
+    reads the lag of the prompt stream's rollout consumer group on the run's Valkey; the reward
+    Service is headless, so its name resolves to every reward pod (rollout servers spread over them)."""
+    from rlmesh.services.queue import PROMPT_GROUP
+
+    config = load_config_text(next(d for d in rendered if d["kind"] == "ConfigMap")["data"]["run.yaml"])
+    scaler = next(d for d in rendered if d["kind"] == "ScaledObject")
+    [trigger] = scaler["spec"]["triggers"]
+    assert trigger["type"] == "redis-streams"
+    meta = trigger["metadata"]
+    assert meta["stream"] == config.queue.prompt_stream and meta["consumerGroup"] == PROMPT_GROUP
+    valkey = next(d for d in rendered if d["kind"] == "Service" and d["metadata"]["name"] == "rlmesh-valkey")
+    host, port = meta["address"].rsplit(":", 1)
+    assert config.queue.url.startswith(f"redis://{host}:{port}/") and int(port) == valkey["spec"]["ports"][0]["port"]
+    assert int(meta["lagCount"]) > 0 and 1 <= scaler["spec"]["minReplicaCount"] < scaler["spec"]["maxReplicaCount"]
+    assert any(d["kind"] == "Deployment" and d["metadata"]["name"] == scaler["spec"]["scaleTargetRef"]["name"]
+               for d in rendered)
+    reward = next(d for d in rendered if d["kind"] == "Service" and d["metadata"]["name"] == "rlmesh-reward")
+    assert reward["spec"]["clusterIP"] == "None", "a ClusterIP pins each rollout server's connection to one pod"
+    host, port = config.network.reward_address.rsplit(":", 1)
+    assert host == "rlmesh-reward" and int(port) == reward["spec"]["ports"][0]["port"]
+    hpa = next(d for d in rendered if d["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "rlmesh-reward"
+
+
+def load_config_text(text: str):
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(text)
+        f.flush()
+        return load_config(f.name)
+
+
 def test_every_tier_serves_metrics_where_its_scrape_annotations_say(rendered):
     config = yaml.safe_load(next(d for d in rendered if d["kind"] == "ConfigMap")["data"]["run.yaml"])
     port = config["logging"]["metrics_port"]
