@@ -31,6 +31,7 @@ from rlmesh.services.weights.base import PROTOCOL_VERSION, ProtocolMismatch, che
 if TYPE_CHECKING:
     import torch
 
+    from rlmesh.learner.metrics import MetricsWriter
     from rlmesh.services.weights.announce import UpdateAnnouncer
     from rlmesh.services.weights.base import Sender
     from rlmesh.services.weights.wire import Handoff, TensorMeta
@@ -62,10 +63,13 @@ class WeightSource:
 
 class WeightBroadcaster:
     def __init__(self, membership: Membership, cfg: WeightSyncSection, transport: Sender,
-                 run_torch: TorchRunner, announcer: UpdateAnnouncer | None = None) -> None:
+                 run_torch: TorchRunner, announcer: UpdateAnnouncer | None = None,
+                 metrics: MetricsWriter | None = None) -> None:
         self.membership, self.cfg, self.transport, self.run_torch = membership, cfg, transport, run_torch
         self.announcer = announcer
         """Where updates of large groups are announced (the run's Valkey); None: always one call per server."""
+        self.metrics = metrics
+        """Where each completed update is recorded (a `weights` row: version, members, digest)."""
         self.announced = False
         """Every member of this group follows the announce stream: an update is one stream entry."""
         self.epoch = 0
@@ -369,6 +373,11 @@ class WeightBroadcaster:
         if self.transport.verifies and members:
             self.verified_versions.append(version)
             self.last_digest = digest
+        if self.metrics is not None and members:
+            # Which servers hold which weights since when: a late joiner's first row is its catch-up.
+            self.metrics.write({"kind": "weights", "version": version, "group_epoch": self.epoch,
+                                "generators": sorted(g.generator_id for g in members), "digest": digest,
+                                "digest_algorithm": self.digest_algorithm, "verified": self.transport.verifies})
 
     def _verify(self, version: int, digest: str, finished: dict[str, Any], members: list[Generator]) -> str:
         """"" if every worker of every one of `members` reported receiving exactly `digest`; otherwise what differs."""

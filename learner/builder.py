@@ -103,14 +103,14 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     cfg = trainer.config  # with the precision resolved (param_dtype=auto, rollout.dtype=learner, lr_bfloat16)
     weights = WeightSource(trainer.weight_metas, trainer.stream_weights)
     membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s, tls=tls)
-    broadcaster = WeightBroadcaster(membership, cfg.weight_sync, build_sender(cfg.weight_sync), run_torch,
-                                    announcer=UpdateAnnouncer(queue))
 
     train_set, eval_set = load_dataset(cfg.data, cfg.run.seed)
     issuer = PromptIssuer(prompts, run_id, train_set, group_size=cfg.algorithm.group_size,
                           groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.algorithm.max_staleness)
     issuer.earlier_run_ids = note_run_id(run_dir, run_id)
     metrics = MetricsWriter(run_dir, trackers=trackers(cfg, run_dir, issuer, prompts, trajectories))
+    broadcaster = WeightBroadcaster(membership, cfg.weight_sync, build_sender(cfg.weight_sync), run_torch,
+                                    announcer=UpdateAnnouncer(queue), metrics=metrics)
     # Which trajectory groups each version was trained on: the audit trail for exactly-once.
     trained_log = MetricsWriter(run_dir, "trained_groups.jsonl")
     dropped_log = MetricsWriter(run_dir, "dropped_groups.jsonl")

@@ -21,7 +21,7 @@ from rlmesh.learner.issuer import PromptIssuer
 from rlmesh.learner.membership import Membership
 from rlmesh.learner.stop import stop_requested, wait_until_seen
 from rlmesh.learner.train.schedule import learning_rate
-from rlmesh.v1 import learner_pb2
+from rlmesh.v1 import common_pb2, learner_pb2
 from rlmesh.services.config import HFModelSection, RunConfig
 from rlmesh.services.telemetry import record_span
 
@@ -65,6 +65,15 @@ class Components:
     dropped_log: MetricsWriter
     watch: StallWatch
     """Says on the console what keeps the run from progressing, and stops it when nothing can."""
+
+
+def _oldest_versions(groups: list[common_pb2.TrajectoryGroup]) -> dict[str, int]:
+    """The oldest policy version any sample of each generator's groups was generated with."""
+    oldest: dict[str, int] = {}
+    for g in groups:
+        version = min((s.min_version for s in g.samples), default=0)
+        oldest[g.generator_id] = min(oldest.get(g.generator_id, version), version)
+    return oldest
 
 
 class Controller:
@@ -327,6 +336,9 @@ class Controller:
             "num_reissued_after_invalid": a.num_reissued_after_invalid, "in_flight": self.issuer.in_flight,
             "num_ranks": self.trainer.world_size, **train_metrics, **bc,
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
+            # The oldest weights each rollout server generated this step's groups with (a server that
+            # joined serves only once it holds the learner's weights: never older than its first update).
+            "oldest_version_by_generator": _oldest_versions(groups),
             # Each rollout server's cumulative engine-busy seconds (for its idle fraction over a span).
             "rollout_busy_s": {g.generator_id: g.busy_seconds for g in self.membership.generators.values()},
             "num_failed_samples": sum(1 for g in groups for s in g.samples if s.error),

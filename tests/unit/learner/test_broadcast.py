@@ -88,7 +88,14 @@ class OtherProtocolRolloutService(RolloutService):
         return reply
 
 
-async def _plane(engine: StandInEngine, service_cls=RolloutService, **weight_sync):
+class Rows(list):
+    """The metrics writer's part the broadcaster uses: each record, in order."""
+
+    def write(self, record: dict) -> None:
+        self.append(record)
+
+
+async def _plane(engine: StandInEngine, service_cls=RolloutService, metrics: Rows | None = None, **weight_sync):
     cfg = WeightSyncSection(backend="gloo", timeout_s=20, **weight_sync)
     service = service_cls(engine, "gen", build_receiver(cfg))
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service,
@@ -96,7 +103,8 @@ async def _plane(engine: StandInEngine, service_cls=RolloutService, **weight_syn
     server.rollout_service = service
     membership = Membership(token=None, rpc_timeout_s=20)
     membership.register("gen", f"127.0.0.1:{server.port}", num_workers=1)
-    broadcaster = WeightBroadcaster(membership, cfg, build_sender(cfg), lambda fn, *a: asyncio.to_thread(fn, *a))
+    broadcaster = WeightBroadcaster(membership, cfg, build_sender(cfg), lambda fn, *a: asyncio.to_thread(fn, *a),
+                                    metrics=metrics)
     return server, membership, broadcaster
 
 
@@ -106,8 +114,8 @@ def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 async def test_the_learner_verifies_the_digest_each_worker_reports_over_grpc():
-    engine = StandInEngine()
-    server, _, broadcaster = await _plane(engine)
+    engine, rows = StandInEngine(), Rows()
+    server, _, broadcaster = await _plane(engine, metrics=rows)
     try:
         for version in (1, 2):
             named = _named(version)
@@ -116,7 +124,10 @@ async def test_the_learner_verifies_the_digest_each_worker_reports_over_grpc():
             assert broadcaster.digest_algorithm == engine.algorithm == "blake3"
             assert broadcaster.last_digest == engine.digest == weights_digest(named, algorithm="blake3")
             assert all(torch.equal(engine.weights[n], t) for n, t in named) and engine.version == version
-        assert broadcaster.epoch == 1  # one group, two updates
+            # Each completed update is a `weights` row in metrics.jsonl: who holds which weights, verified.
+            assert rows[-1] == {"kind": "weights", "version": version, "group_epoch": 1, "generators": ["gen"],
+                                "digest": engine.digest, "digest_algorithm": "blake3", "verified": True}
+        assert broadcaster.epoch == 1 and len(rows) == 2  # one group, two updates
         # Paused and resumed around each update, inside its one call.
         assert engine.calls == ["pause keep", "resume"] * 2
     finally:
