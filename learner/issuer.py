@@ -22,8 +22,8 @@ from rlmesh.services.queue import StreamQueue
 from rlmesh.services.telemetry import group_span
 
 PUBLISH_BATCH = 256
-"""Prompt groups `issue_train` publishes in one queue round trip (a pipeline): one round trip each,
-a step's worth at a thousand rollout servers took seconds of the learner's step."""
+"""Prompt groups `issue_train` publishes in one queue round trip (`StreamQueue.publish_many`, one script):
+one round trip each, a step's worth at a thousand rollout servers took seconds of the learner's step."""
 
 
 class PromptIssuer:

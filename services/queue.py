@@ -47,6 +47,23 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return redis.call('XADD', KEYS[1], '*', 'key', ARGV[1], 'data', ARGV[2])
 """
 
+# The same for each (key, data) pair of ARGV after the first (max_len): one result per pair. One
+# script, so Valkey serves the clients blocked on the stream once for the whole batch: after each
+# command it passes over every one of them, which at a thousand idle rollout servers made each prompt
+# group of a pipelined batch cost it ~1 ms (O(servers x groups) a step).
+_PUBLISH_MANY_LUA = """
+local out = {}
+for i = 2, #ARGV, 2 do
+  if redis.call('SISMEMBER', KEYS[2], ARGV[i]) == 1 then out[#out + 1] = 0
+  elseif redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then out[#out + 1] = -1
+  else
+    redis.call('SADD', KEYS[2], ARGV[i])
+    out[#out + 1] = redis.call('XADD', KEYS[1], '*', 'key', ARGV[i], 'data', ARGV[i + 1])
+  end
+end
+return out
+"""
+
 
 T = TypeVar("T")
 _LOST = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
@@ -143,6 +160,7 @@ class StreamQueue:
         self.reconnect_timeout_s = reconnect_timeout_s
         self._seen_key = f"{stream}:published"
         self._publish = client.register_script(_PUBLISH_LUA)
+        self._publish_many = client.register_script(_PUBLISH_MANY_LUA)
         self.connected = True
         self.last_error = ""
         self.num_reconnects = 0
@@ -215,19 +233,15 @@ class StreamQueue:
             attempt += 1
 
     async def publish_many(self, items: list[tuple[str, bytes]], *, wait_timeout_s: float | None = None) -> int:
-        """`publish` for each (key, data), in one round trip to the queue server; those the stream had
+        """`publish` for each (key, data), in one script call on the queue server; those the stream had
         no room for are then published one by one, waiting as `publish` does. Returns how many were
         appended (a key published before is dropped, as by `publish`)."""
         if not items:
             return 0
-
-        async def op() -> list:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for key, data in items:
-                    await self._publish(keys=[self.stream, self._seen_key], args=[key, data, self.max_len], client=pipe)
-                return await pipe.execute()
-
-        results = await self._call("publish", op)
+        args: list = [self.max_len]
+        for key, data in items:
+            args += (key, data)
+        results = await self._call("publish", lambda: self._publish_many(keys=[self.stream, self._seen_key], args=args))
         appended = sum(1 for r in results if r not in (0, -1))
         for (key, data), result in zip(items, results):
             if result == -1 and await self.publish(key, data, wait_timeout_s=wait_timeout_s) is not None:

@@ -14,7 +14,7 @@ weights or report in its name. Entries are size-checked before anything else; an
 malformed or oversized entry, a report from a server not in the group or for another update, is
 ignored (and logged): a server that never reports is dropped at the deadline, as one whose call failed.
 
-`UpdateAnnouncer` is the learner's side; `follow_updates` the rollout server's."""
+`UpdateAnnouncer` is the learner's side; `follow_updates` the rollout server's (`answer`: its reply to one entry)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,15 @@ MAX_REPORT_BYTES = 64 * 2**10
 """Largest report the learner parses (a few digests and numbers; anything larger is not a report)."""
 KEY_TTL_S = 24 * 3600
 """The streams of a group outlive the learner that made them by at most this long."""
-BLOCK_MS = 5000
+BLOCK_MS = 2500
+"""Longest blocking read of either stream: half the queue client's socket timeout (redis-py takes it from
+socket_connect_timeout, 5 s in `services.queue.connect`). A read blocked as long as the timeout fails
+with TimeoutError whenever nothing is announced for that long, which a follower took for Valkey being
+away (a warning, a second's sleep, the next announcement up to a second late): every server, every
+quiet five seconds."""
+REPORTS_PER_READ = 1000
+"""Reports the learner reads and checks at a time: ten thousand in one reply held its event loop for
+0.75 s (parsing, decoding, two HMACs each), heartbeats and admission waiting behind it."""
 LOST = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
@@ -101,7 +109,7 @@ class UpdateAnnouncer:
         deadline = time.monotonic() + timeout_s
         while len(out) < len(member_ids) and (left_s := deadline - time.monotonic()) > 0:
             try:
-                got = await self.client.xread({self.report_key: self._last_report}, count=max(len(member_ids), 16),
+                got = await self.client.xread({self.report_key: self._last_report}, count=REPORTS_PER_READ,
                                               block=max(1, int(min(left_s, BLOCK_MS / 1000) * 1000)))
             except LOST as err:  # read on from the last report once it is back, until the deadline
                 log.warning("reading weight-update reports: Valkey unreachable (%r); retrying", err)
@@ -158,25 +166,32 @@ async def follow_updates(client: aioredis.Redis, init: rollout_pb2.InitWeightTra
         for _, entries in got or []:
             for entry_id, fields in entries:
                 last = entry_id
-                if not signed(fields, public_key):
-                    log.warning("ignored an entry of %s that the learner did not sign", init.announce_stream)
-                    continue  # no report: a stranger gets nothing out of writing here
-                report = rollout_pb2.UpdateWeightsReport(generator_id=init.generator_id, group_epoch=init.group_epoch)
-                try:
-                    report.reply.CopyFrom(await apply(parse_update(fields, init.group_epoch, report)))
-                except Exception as err:  # noqa: BLE001 - reported to the learner, which drops this server
-                    log.error("announced weight update v%d failed: %r", report.version, err)
-                    report.error = f"{type(err).__name__}: {err}"[:4096]
-                data = report.SerializeToString()
-                fields = {REPORT_FIELD: data, MAC_FIELD: hmac.new(init.report_key, data, hashlib.sha256).digest()}
-                for attempt in range(10):  # a report lost with Valkey costs this server its place in the group
-                    try:
-                        await client.xadd(init.report_stream, fields, maxlen=1_000_000, approximate=True)
-                        break
-                    except LOST as err:
-                        log.warning("reporting weight update v%d: Valkey unreachable (%r); retrying", report.version,
-                                    err)
-                        await asyncio.sleep(1.0)
+                await answer(client, init, fields, apply, public_key)
+
+
+async def answer(client: aioredis.Redis, init: rollout_pb2.InitWeightTransferRequest, fields: dict,
+                 apply: Callable[[rollout_pb2.UpdateWeightsRequest], Awaitable[rollout_pb2.UpdateWeightsResponse]],
+                 public_key: Ed25519PublicKey) -> None:
+    """One announced entry, as the server of `init` takes it: `apply` it if the learner signed it, and
+    report the outcome (its reply, or the error) on init.report_stream."""
+    if not signed(fields, public_key):
+        log.warning("ignored an entry of %s that the learner did not sign", init.announce_stream)
+        return  # no report: a stranger gets nothing out of writing here
+    report = rollout_pb2.UpdateWeightsReport(generator_id=init.generator_id, group_epoch=init.group_epoch)
+    try:
+        report.reply.CopyFrom(await apply(parse_update(fields, init.group_epoch, report)))
+    except Exception as err:  # noqa: BLE001 - reported to the learner, which drops this server
+        log.error("announced weight update v%d failed: %r", report.version, err)
+        report.error = f"{type(err).__name__}: {err}"[:4096]
+    data = report.SerializeToString()
+    fields = {REPORT_FIELD: data, MAC_FIELD: hmac.new(init.report_key, data, hashlib.sha256).digest()}
+    for attempt in range(10):  # a report lost with Valkey costs this server its place in the group
+        try:
+            await client.xadd(init.report_stream, fields, maxlen=1_000_000, approximate=True)
+            return
+        except LOST as err:
+            log.warning("reporting weight update v%d: Valkey unreachable (%r); retrying", report.version, err)
+            await asyncio.sleep(1.0)
 
 
 def signed(fields: dict, public_key: Ed25519PublicKey) -> bool:
