@@ -1,5 +1,6 @@
-"""Prompt datasets: generated arithmetic problems, JSONL files, or anything Hugging Face `datasets`
-reads (`rlmesh.learner.data.hf`), as `Example`s in a training order (`rlmesh.learner.data.examples`)."""
+"""Prompt datasets: generated arithmetic problems, JSONL files, anything Hugging Face `datasets`
+reads (`rlmesh.learner.data.hf`), or a reasoning-gym dataset (`rlmesh.learner.data.reasoning_gym`), as
+`Example`s in a training order (`rlmesh.learner.data.examples`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from rlmesh.learner.data.examples import Example, TrainData, TrainOrder, assistant_turn
 from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
-                                    JsonlDataSection)
+                                    JsonlDataSection, ReasoningGymDataSection)
 from rlmesh.services.domain.tasks import ADD_TOOL, calculator_prompt
 
 
@@ -112,6 +113,10 @@ def load_dataset(cfg: DataSection, seed: int) -> tuple[TrainData, list[Example]]
         train, evals = _arithmetic(cfg, seed)
     elif isinstance(cfg, CalculatorDataSection):
         train, evals = _calculator(cfg, seed)
+    elif isinstance(cfg, ReasoningGymDataSection):
+        from rlmesh.learner.data.reasoning_gym import load_reasoning_gym
+
+        train, evals = load_reasoning_gym(cfg, seed)
     else:
         train, evals = _jsonl(cfg.train_path, cfg), _jsonl(cfg.eval_path, cfg)
     return TrainOrder(train), evals

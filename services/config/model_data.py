@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
@@ -171,6 +171,38 @@ class HFDataSection(Section):
     """Column naming a row's own environment, overriding env_name (unset: every row uses env_name)."""
 
 
+class ReasoningGymDataSection(Section):
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    """Generated tasks from a reasoning-gym dataset (`pip install rlmesh[envs]`), scored by its own scorer in the `reasoning_gym` environment."""
+    dataset: str
+    """reasoning-gym dataset name, as `reasoning_gym.create_dataset` takes it (e.g. `basic_arithmetic`, `leg_counting`)."""
+    settings: dict[str, Any] = {}
+    """The dataset's own config fields, passed through (e.g. `{min_terms: 2, max_terms: 2, max_digits: 1}`); not `seed` or `size`."""
+    num_train: int = Field(2000, gt=0)
+    """Training prompts (distinct questions)."""
+    num_eval: int = Field(100, gt=0)
+    """Held-out prompts: distinct questions, none of which is a training question."""
+    seed: int | None = None
+    """Seed of the generator (unset: run.seed)."""
+    system_prompt: str | None = "default"
+    """A system message: the name of one of reasoning-gym's prompts (`default`, `direct`, `simple`, `chain_of_draft`, `DeepSeekZero`; each asks for the answer in `<answer></answer>`, which the environment reads), or null for none."""
+    prompt_template: str = "{question}"
+    """Text the question is put into at `{question}`, as the user message (e.g. `{question} Give the answer in <answer></answer> tags.`)."""
+    env_name: str = "reasoning_gym"
+    """Environment that scores these prompts."""
+
+    @model_validator(mode="after")
+    def _settings_leave_seed_and_size(self) -> ReasoningGymDataSection:
+        taken = sorted({"seed", "size"} & set(self.settings))
+        if taken:
+            raise ValueError(f"data.settings sets {', '.join(taken)}; use data.seed and data.num_train / "
+                             "data.num_eval instead")
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"data.prompt_template={self.prompt_template!r} has no {{question}} to put the question at")
+        return self
+
+
 DataSection = Annotated[
-    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection], Field(discriminator="type")
+    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection, ReasoningGymDataSection],
+    Field(discriminator="type"),
 ]
