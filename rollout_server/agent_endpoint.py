@@ -9,11 +9,12 @@ tokens with loss mask true and their sampled logprobs, everything the agent adde
 
 Token continuity. The first call's messages are rendered by the model's chat template; after that the
 ids vLLM sampled are kept, and a later call's messages must repeat the conversation so far (the
-assistant messages as this endpoint returned them) and add only non-assistant messages, which are
-rendered alone and appended (`ChatCodec.continuation`). A call whose history differs (the agent
-edited, dropped or summarised earlier messages) is still answered, from its messages re-rendered,
-but the episode is marked `history_edited`: the ids before the break are not the ids the next calls
-saw, so the learner does not train on it (the sample carries the reason as its error, never reward 0).
+assistant messages as this endpoint returned them, in substance: `_same`) and add only non-assistant
+messages, which are rendered alone and appended (`ChatCodec.continuation`). A call whose history
+differs (the agent edited, dropped or summarised earlier messages) is still answered, from its
+messages re-rendered, but the episode is marked `history_edited`: the ids before the break are not
+the ids the next calls saw, so the learner does not train on it (the sample carries the reason as its
+error, never reward 0).
 
 Sampling is the run's (`rollout.temperature`, ...; seeded per episode and call): the policy being
 trained is what answers, whatever temperature the agent asks for. Tool calls are parsed from the
@@ -30,6 +31,7 @@ reward tier gives its agents the CA to verify it (SSL_CERT_FILE).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import hashlib
 import json
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# smolagents sends the calls a reply made back as text in the assistant's content (its memory's form).
+_REPLAYED_CALLS = re.compile(r"(?:^|\n)Calling tools:\n(\[.*\])\s*$", re.DOTALL)
 
 
 # --- the request, as OpenAI's API defines the parts rlmesh reads --------------------------------
@@ -130,8 +134,34 @@ def template_message(m: Message) -> dict[str, Any]:
 
 
 def _same(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
-    strip = ("tool_call_id",)
-    return {k: v for k, v in sent.items() if k not in strip} == {k: v for k, v in kept.items() if k not in strip}
+    """Whether a message the agent repeats is the one kept. The context keeps the ids sampled whatever
+    form the agent repeats them in, so a reply is the same when only its form differs: stripped of the
+    whitespace around it (smolagents strips every reply), or its tool calls given as smolagents' text
+    instead of `tool_calls`."""
+    if kept.get("tool_calls") and not sent.get("tool_calls"):
+        sent = _replayed_calls(sent)
+
+    def compared(m: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in m.items() if k != "tool_call_id"}
+        if out["role"] == "assistant":
+            out["content"] = out["content"].strip()
+        return out
+    return compared(sent) == compared(kept)
+
+
+def _replayed_calls(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message whose content ends as smolagents repeats a reply's calls, `Calling tools:` and
+    a Python list of `{"id", "type", "function": {"name", "arguments"}}`, with those calls as `tool_calls`."""
+    match = _REPLAYED_CALLS.search(m["content"]) if m["role"] == "assistant" else None
+    if match is None:
+        return m
+    try:
+        calls = [{"type": "function", "function": {"name": c["function"]["name"],
+                                                   "arguments": c["function"]["arguments"]}}
+                 for c in ast.literal_eval(match.group(1))]
+    except (ValueError, SyntaxError, TypeError, KeyError):  # not that form: compared as the text it is
+        return m
+    return {**m, "content": m["content"][:match.start()], "tool_calls": calls}
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:

@@ -32,3 +32,32 @@ def test_a_returned_assistant_message_compares_equal_whatever_the_call_ids():
     assert not _same(template_message(Message.model_validate({"role": "assistant", "tool_calls": [other]})), kept)
     parts = Message.model_validate({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
     assert template_message(parts)["content"] == "ab"
+
+
+def test_a_reply_repeated_without_its_surrounding_whitespace_is_the_same_message():
+    """smolagents strips what the model said before sending it back: the conversation is unchanged (the
+    context keeps the sampled ids); any other change to the text is an edit."""
+    kept = template_message(Message(role="assistant", content=" 579\n"))
+    assert _same(template_message(Message(role="assistant", content=[{"type": "text", "text": "579"}])), kept)
+    assert not _same(template_message(Message(role="assistant", content="57 9")), kept)
+    user = template_message(Message(role="user", content="hi"))
+    assert not _same(user, template_message(Message(role="user", content=" hi")))
+
+
+def test_calls_repeated_as_smolagents_text_are_the_calls_returned():
+    """smolagents repeats a reply's calls as `Calling tools:` and a Python list in the assistant's text,
+    after what the model said: the same calls (whatever their ids); other calls or other text are an edit."""
+    _, calls = parse_tool_calls('Let me look. <tool_call>{"name": "lookup", "arguments": {"a": 579}}</tool_call>')
+    kept = template_message(Message(role="assistant", content="Let me look.", tool_calls=calls))
+
+    def repeated(text: str, a: int = 579) -> dict:
+        replay = [{"id": "call_7", "type": "function", "function": {"name": "lookup", "arguments": {"a": a}}}]
+        said = {"type": "text", "text": f"{text}\nCalling tools:\n{replay}"}
+        return template_message(Message(role="assistant", content=[said]))
+
+    assert _same(repeated("Let me look."), kept)
+    assert not _same(repeated("Let me look."), template_message(Message(role="assistant", content="Let me look.")))
+    assert not _same(repeated("Let me look.", a=580), kept)
+    assert not _same(repeated("Let me see."), kept)
+    not_calls = template_message(Message(role="assistant", content="Let me look.\nCalling tools:\n[{'id': 1}]"))
+    assert not _same(not_calls, kept)
