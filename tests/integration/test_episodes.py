@@ -27,11 +27,13 @@ from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from rlmesh.services.grpc_server import start_server
 from rlmesh.services.ports import free_port
 from tests.integration.env_servers import start_mcp_server, start_openenv_server
+from tests.integration.framework_agents import FINAL_QUESTION
 from tests import deadline as test_deadline
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 ENVS = "tests.integration.episode_envs"
+FRAMEWORKS = "tests.integration.framework_agents"
 STEP_TIMEOUT_S = 2.0
 MAX_TURNS = 3
 AGENT_TIMEOUT_S = 20.0
@@ -68,7 +70,8 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
         "model": {"type": "hf", "path": str(bpe_model_dir)},
         "queue": {"url": valkey_url, "prompt_stream": f"p-{suffix}", "trajectory_stream": f"t-{suffix}"},
         "network": {"learner_address": f"127.0.0.1:{learner.port}", "reward_address": f"127.0.0.1:{reward_port}"},
-        "rollout": {"max_tokens": 10, "max_model_len": 512, "temperature": 1.0,
+        # 1024: smolagents' step loop feeds ~200 tokens of its own back after each of its 4 steps
+        "rollout": {"max_tokens": 10, "max_model_len": 1024, "temperature": 1.0,
                     "episode": {"max_turns": MAX_TURNS, "step_timeout_s": STEP_TIMEOUT_S},
                     "agent_endpoint": {"enabled": True, "max_calls": AGENT_MAX_CALLS,
                                        "max_request_bytes": AGENT_MAX_BYTES, "max_messages": 16}},
@@ -80,7 +83,9 @@ async def mesh(bpe_model_dir, valkey_url, tmp_path_factory):
                                               "probing": f"{ENVS}:probing_agent", "editing": f"{ENVS}:editing_agent",
                                               "hanging": f"{ENVS}:hanging_agent",
                                               "word_problems": "examples.agents.word_problems:solve",
-                                              "crashing": f"{ENVS}:crashing_agent"},
+                                              "crashing": f"{ENVS}:crashing_agent",
+                                              **{f: f"{FRAMEWORKS}.{f}_agent:solve"
+                                                 for f in ("langgraph", "smolagents", "pydantic_ai")}},
                                    "agent_timeout_s": AGENT_TIMEOUT_S,
                                    "remote": {"far": f"127.0.0.1:{far_port}"},
                                    "openenv": {"guess": {"url": f"http://127.0.0.1:{openenv_port}",
@@ -130,6 +135,18 @@ async def _collect(mesh, group_ids: set[str], timeout_s: float = 240) -> dict[st
             out[traj.group_id] = traj
             await mesh["trajectories"].ack(e.id)
     return out
+
+
+def _learner_gap(model, seqs: list[Sequence], pad_id: int) -> float:
+    """The largest gap between the learner's logprob of a masked-in id, in its recorded context, and the
+    logprob vLLM sampled it with."""
+    import torch
+
+    micro = pack(seqs, pad_id)
+    with torch.no_grad():
+        logits = model(input_ids=micro.input_ids_BT, attention_mask=micro.attention_mask_BT).logits[:, :-1]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, micro.input_ids_BT[:, 1:, None])[..., 0]
+    return float((logprobs - micro.behaviour_logprobs_BT).abs()[micro.loss_mask_BT.bool()].max())
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -272,12 +289,8 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
         assert tok.decode(fed_back).endswith("<|im_start|>assistant\n")
         seqs.append(Sequence(list(traj.prompt_token_ids), ids, mask, list(s.logprobs)))
     # the learner's logprobs of the masked-in ids, in their recorded contexts, are vLLM's
-    micro = pack(seqs, tok.pad_token_id)
-    with torch.no_grad():
-        logits = model(input_ids=micro.input_ids_BT, attention_mask=micro.attention_mask_BT).logits[:, :-1]
-    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, micro.input_ids_BT[:, 1:, None])[..., 0]
-    diff = (logprobs - micro.behaviour_logprobs_BT).abs()[micro.loss_mask_BT.bool()]
-    assert float(diff.max()) < 2e-3, f"learner vs vLLM logprob gap {float(diff.max()):.2e}"
+    gap = _learner_gap(model, seqs, tok.pad_token_id)
+    assert gap < 2e-3, f"learner vs vLLM logprob gap {gap:.2e}"
 
     # The OpenAI Agents SDK's own loop, unchanged: its chat-completions calls are recorded the same way.
     assert problems(got[sdk.group_id], sdk, 0, bounds) == ""
@@ -320,3 +333,50 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
     assert hung.finish_reason == "agent_timeout" and f"agent_timeout_s={AGENT_TIMEOUT_S}" in hung.error
     (crashed,) = got[crashing.group_id].samples
     assert crashed.finish_reason == "agent_crashed" and "the agent fell over" in crashed.error, crashed.error
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_agents_written_with_frameworks_run_unchanged_and_train_on_the_ids_sampled(mesh):
+    """LangGraph, smolagents and pydantic-ai agents (tests/integration/framework_agents), unchanged, each
+    imported once by its launcher: each call is a turn, what the framework said between its calls is
+    masked out, and every sampled id is trained on with vLLM's logprob. The random model writes no valid
+    tool call (test_agent_frameworks.py has them): LangGraph's ReAct loop ends at once and its graph asks
+    the last question; smolagents feeds each step's error back and retries up to max_steps (= the call
+    budget, so its final-answer call, an edited history, is refused 429); pydantic-ai runs again on its
+    first run's messages."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    frameworks = {"langgraph": _group("langgraph", 2, answer=579),
+                  "smolagents": _group("smolagents", 2, answer=579, max_steps=AGENT_MAX_CALLS),
+                  "pydantic_ai": _group("pydantic_ai", 2, answer=579)}
+    for g in frameworks.values():
+        await mesh["prompts"].publish(g.group_id, g.SerializeToString())
+    got = await _collect(mesh, {g.group_id for g in frameworks.values()})
+    tok = AutoTokenizer.from_pretrained(mesh["model"])
+    model = AutoModelForCausalLM.from_pretrained(mesh["model"], dtype=torch.float32).eval()
+    bounds = Bounds(vocab_size=model.config.vocab_size, max_abs_reward=1e4,
+                    max_seq_len=model.config.max_position_embeddings)
+    between = {"langgraph": [FINAL_QUESTION], "pydantic_ai": [FINAL_QUESTION],
+               "smolagents": ["Error:\nError while parsing tool call from model output"] * (AGENT_MAX_CALLS - 1)}
+    seqs = []
+    for name, group in frameworks.items():
+        traj = got[group.group_id]
+        assert problems(traj, group, 0, bounds) == "", name  # the learner admits the group
+        templated = tok.decode(traj.prompt_token_ids)  # the framework's tools, through the chat template
+        assert "Tools:\nlookup(a): Look a number up." in templated and "Add with the tool." in templated, name
+        assert name != "smolagents" or "final_answer(answer)" in templated  # smolagents' own tool beside it
+        for s in traj.samples:
+            assert not s.error and s.reward in (0.0, 1.0) and s.num_turns == len(between[name]) + 1, (name, s.error)
+            assert s.finish_reason == ("max_calls" if name == "smolagents" else "done"), (name, s.finish_reason)
+            ids, mask = list(s.completion.token_ids), list(s.completion.loss_mask)
+            expected_mask = [False] * len(ids)
+            for t in s.turns:
+                expected_mask[t.start: t.start + t.num_sampled_tokens] = [True] * t.num_sampled_tokens
+            assert mask == expected_mask, name
+            for said, (t, nxt) in zip(between[name], zip(s.turns, s.turns[1:])):
+                fed_back = ids[t.start + t.num_sampled_tokens: nxt.start]
+                assert len(fed_back) == t.num_env_tokens and said in tok.decode(fed_back), (name, tok.decode(fed_back))
+            seqs.append(Sequence(list(traj.prompt_token_ids), ids, mask, list(s.logprobs)))
+    gap = _learner_gap(model, seqs, tok.pad_token_id)
+    assert gap < 2e-3, f"learner vs vLLM logprob gap {gap:.2e}"
