@@ -14,20 +14,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from rlmesh.reward_server.sessions import SessionError
 from rlmesh.v1 import reward_pb2
 
-if TYPE_CHECKING:
-    from rlmesh.reward_server.service import RewardService
-
 log = logging.getLogger(__name__)
 
 
-async def serve_session(service: RewardService, requests: AsyncIterator[reward_pb2.SessionRequest],
+class Sessions(Protocol):
+    """What a stream needs of the reward servicer (`RewardService`): its session calls."""
+
+    async def reset(self, request: reward_pb2.ResetRequest, budget_s: float | None = None, *,
+                    owner: str = "") -> reward_pb2.ResetResponse: ...
+
+    async def step(self, request: reward_pb2.StepRequest, budget_s: float | None = None) -> reward_pb2.StepResponse: ...
+
+    async def close(self, request: reward_pb2.CloseRequest, budget_s: float | None = None) -> None: ...
+
+
+async def serve_session(service: Sessions, requests: AsyncIterator[reward_pb2.SessionRequest],
                         context: grpc.aio.ServicerContext, *,
                         owner: str) -> AsyncIterator[reward_pb2.SessionResponse]:
     """Answer one stream's reset and steps; close its session however the stream ends. The stream's
@@ -58,7 +66,7 @@ async def serve_session(service: RewardService, requests: AsyncIterator[reward_p
             await asyncio.shield(_close(service, session_id))
 
 
-async def _close(service: RewardService, session_id: str) -> None:
+async def _close(service: Sessions, session_id: str) -> None:
     try:
         await service.close(reward_pb2.CloseRequest(session_id=session_id))
     except SessionError as err:
