@@ -1,19 +1,26 @@
 """The docker-compose stack in a real Docker engine (opt-in: `make test-containers`).
 
-One run of the whole stack from a clean engine state, with two rollout replicas: mid-run the
-rollout and reward containers crash (their main process SIGKILLed from the host, which is what
-the engine's restart policy answers; `docker kill` counts as a manual stop and is not restarted)
-and the Valkey container is restarted. The run must complete, learn, train no group twice, need
-no re-issue of lost queue entries, and end with the rollout weights equal to the learner's; then
-`down` must leave no container, network, volume or process behind. Every container runs as a
-non-root user, on a read-only root filesystem, with no capabilities and no privilege escalation.
-The same run has the `observability` profile on: its Prometheus (Debian's package, built by
-`stack.sh images`) scrapes every tier, replicas included, and answers on the host's loopback."""
+One run of the whole stack from a clean engine state that grows and shrinks while it trains: it
+starts with one rollout and one reward server, whose containers crash after the first steps (their
+main process SIGKILLed from the host, which is what the engine's restart policy answers; `docker kill`
+counts as a manual stop and is not restarted); once they are back, `docker compose up --scale
+rollout=3 --scale reward=3` adds two of each, the Valkey container is restarted, and `--scale
+rollout=1 --scale reward=1` takes two of each away again. Joining rollout servers must get the
+learner's current weights (digest-verified) before their groups are trained, every reward replica
+must serve a fair share of the Score calls, and the prompts a leaving rollout server held must be
+generated again by the one that stays. The run (ended by a stop request once all that is done) must
+learn (train reward and held-out accuracy), lose no group, train no group twice, need no re-issue of
+lost queue entries, and end with the rollout weights equal to the learner's; then `down` must leave
+no container, network, volume or process behind. Every container runs as a non-root user, on a
+read-only root filesystem, with no capabilities and no privilege escalation. The same run has the `observability` profile on:
+its Prometheus (Debian's package, built by `stack.sh images`) scrapes every tier, replicas included,
+answers on the host's loopback, and counts each reward replica's Score calls."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -30,14 +37,37 @@ import yaml
 from rlmesh.learner.metrics import surviving_lineage
 from rlmesh.services.ports import free_port
 
-# The first test builds the images and runs the stack (module fixture): ~10 minutes here.
-pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
+# The first test builds the images and runs the stack (module fixture): ~20 minutes here with the images built.
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(3000)]
 
 REPO = Path(__file__).resolve().parents[2]
 STACK = REPO / "deploy/docker/stack.sh"
 PROJECT = "rlmesh-test"
-NUM_STEPS, GROUPS_PER_STEP = 24, 32
+MAX_STEPS, GROUPS_PER_STEP = 100, 32
+"""learner.num_steps is only a bound: the test asks the learner to stop (the stop request `rlmesh.train`'s
+callbacks use) once the events below are done, however long this machine takes to start vLLM."""
+SCALE_UP_AT = 2
+"""Steps trained with one rollout and one reward server before both services are scaled to three."""
+STEPS_AFTER_SCALE_DOWN = 6
+"""Steps trained after both are scaled back to one, before the stop request."""
 DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+# Run inside an rlmesh container (the image's redis client, the queue password from its environment).
+QUEUE = """
+import json, os, sys, redis
+r = redis.Redis(host="valkey", password=os.environ["RLMESH_QUEUE_PASSWORD"], socket_timeout=10)
+"""
+HELD = QUEUE + """
+held = {}  # consumer -> group ids of the prompt entries pending on it
+for p in r.xpending_range("rlmesh:prompts", "rollout", "-", "+", 100000):
+    entry = r.xrange("rlmesh:prompts", p["message_id"], p["message_id"])
+    if entry:
+        held.setdefault(p["consumer"].decode(), []).append(entry[0][1][b"key"].decode())
+print(json.dumps(held))
+"""
+PUBLISHED = QUEUE + """
+keys = json.loads(sys.argv[1])
+print(json.dumps([k for k in keys if r.sismember("rlmesh:trajectories:published", k)]))
+"""
 
 
 class Stack:
@@ -60,6 +90,12 @@ class Stack:
         assert out.returncode == 0, f"compose {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
         return out.stdout
 
+    def scale(self, rollout: int, reward: int) -> None:
+        """`up --scale` of the rollout and reward services alone, as an operator scales a running
+        stack: no other service is started again (`prepare` would train the model anew) or recreated."""
+        self.compose("up", "-d", "--no-build", "--no-deps", "--no-recreate", "--scale", f"rollout={rollout}",
+                     "--scale", f"reward={reward}", "rollout", "reward", timeout=600)
+
     def docker(self, *args: str, check: bool = True, timeout: float = 120) -> str:
         out = subprocess.run([DOCKER, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
         assert not check or out.returncode == 0, f"docker {' '.join(args)} failed:\n{out.stderr}"
@@ -74,6 +110,10 @@ class Stack:
     def inspect(self, container: str, fmt: str) -> str:
         return self.docker("inspect", "-f", fmt, container).strip()
 
+    def generator_id(self, container: str) -> str:
+        """The id a rollout container registers under: its IP on the compose network and port."""
+        return self.inspect(container, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}") + ":50053"
+
     def crash(self, container: str) -> None:
         """SIGKILL the container's main process from the host, as the OOM killer would."""
         os.kill(int(self.inspect(container, "{{.State.Pid}}")), signal.SIGKILL)
@@ -82,10 +122,14 @@ class Stack:
         out = self.docker("exec", learner, "cat", "/data/runs/compose/metrics.jsonl", check=False)
         return [r for r in map(json.loads, out.splitlines()) if r.get("kind") == "train"]
 
-    def prometheus(self, query: str) -> list[dict]:
-        """The result of an instant query to the stack's Prometheus, through its loopback port."""
-        url = (f"http://127.0.0.1:{self.env['RLMESH_PROMETHEUS_PORT']}/api/v1/query?"
-               + urllib.parse.urlencode({"query": query}))
+    def queue(self, container: str, script: str, *args: str) -> object:
+        """What `script` (QUEUE and a query) prints as JSON, run in an rlmesh container."""
+        return json.loads(self.docker("exec", container, "python", "-c", script, *args))
+
+    def prometheus(self, query: str, path: str = "query", **params: object) -> list[dict]:
+        """The result of a query to the stack's Prometheus, through its loopback port."""
+        url = (f"http://127.0.0.1:{self.env['RLMESH_PROMETHEUS_PORT']}/api/v1/{path}?"
+               + urllib.parse.urlencode({"query": query, **params}))
         with urllib.request.urlopen(url, timeout=10) as response:
             return json.loads(response.read())["data"]["result"]
 
@@ -100,10 +144,24 @@ class Stack:
             return {"error": repr(err)}
         return {"up": sorted(up), "policy_version": max(version, default=0.0), "rollout_tokens": sum(tokens)}
 
+    def score_calls(self, start: float, end: float) -> dict[str, dict]:
+        """Each reward replica's Score calls (by its scrape address) between `start` and `end` (Unix
+        times), counter resets (a crash) included, and when Prometheus first saw it answer one."""
+        query = 'sum by (instance) (rlmesh_reward_env_calls_total{method="score"})'
+        series = self.prometheus(query, "query_range", start=start, end=end, step=5)
+        out = {}
+        for s in series:
+            values = [(t, float(v)) for t, v in s["values"]]
+            # A replica that joined in the window counts from zero; a reset (a crash) from zero again.
+            joined = values[0][0] > start + 10
+            calls = (values[0][1] if joined else 0.0) + sum(b - a if b >= a else b
+                                                            for (_, a), (_, b) in zip(values, values[1:]))
+            first = next((t for t, v in values if v > 0), None)
+            out[s["metric"]["instance"]] = {"calls": calls, "first_call_s": None if first is None else first - start}
+        return out
+
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40")[-8000:]
-
-
 def _processes_in(container_ids: set[str]) -> list[int]:
     """Host processes still inside any of these containers' cgroups."""
     left = []
@@ -146,14 +204,19 @@ def _wait(predicate, timeout: float, what: str, stack: Stack) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, rlmesh_images):
-    """Build the images, bring the stack up clean, inject the faults, wait for the learner to finish;
-    yields what the tests check. `down` happens here and its leftovers are returned too."""
+    """Build the images, bring the stack up clean, grow it, inject the faults, shrink it, wait for the
+    learner to finish; yields what the tests check. `down` happens here and its leftovers are returned too."""
     # The containers run as uid 10001 and read the config through a bind mount: pytest's own tmp
     # directories are private to root (0700), so the config goes where that user can read it.
     config_dir = Path(tempfile.mkdtemp(prefix="rlmesh-compose-config-"))
     config_dir.chmod(0o755)
     config = yaml.safe_load((REPO / "deploy/compose.rlmesh.yaml").read_text())
-    config["learner"].update(num_steps=NUM_STEPS, groups_per_step=GROUPS_PER_STEP, eval_every=0, min_generators=2)
+    config["learner"].update(num_steps=MAX_STEPS, groups_per_step=GROUPS_PER_STEP, eval_every=0, min_generators=1)
+    config["data"]["num_eval"] = 50  # held-out accuracy before and after, on more than the demo's 20 prompts
+    config["learner"]["lr"] = 3.0e-4  # decaying over MAX_STEPS: a run of 60+ steps at the demo's 5e-4 unlearned
+    # Each server takes at most a quarter of the (k + 1) * B = 64 groups outstanding: the work spreads
+    # over the replicas (and a leaver holds some) instead of the first reader taking it all.
+    config["rollout"]["max_concurrent_groups"] = 16
     config["checkpoint"]["every_n_steps"] = 8
     (config_dir / "compose.rlmesh.yaml").write_text(yaml.safe_dump(config))
     (config_dir / "compose.rlmesh.yaml").chmod(0o644)
@@ -161,54 +224,33 @@ def run(tmp_path_factory, rlmesh_images):
     stack.compose("down", "-v", "--remove-orphans")
     assert stack.containers() == [], "leftover containers from an earlier run"
 
-    events: dict = {}
+    events: dict = {"started": time.time()}
     ids: set[str] = set()
     try:
-        stack.compose("up", "-d", "--no-build", "--scale", "rollout=2", timeout=900)
+        stack.compose("up", "-d", "--no-build", timeout=900)
         learner = stack.containers("learner")[0]
-        _wait(lambda: len(stack.train_rows(learner)) >= 4, 900, "four training steps", stack)
-        # Scrape every 5 s, DNS discovery every 15 s: every tier (both rollout replicas) up within a minute.
-        want = [("learner", 1.0), ("reward", 1.0), ("rollout", 1.0), ("rollout", 1.0)]
-        deadline = time.monotonic() + 90
-        while (scraped := stack.scraped()).get("up") != want or scraped["policy_version"] <= 0:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(3.0)
-        events["prometheus"] = scraped
-        events["hardening"] = _hardening(stack)
-        # A stranger on the compose network: valkey-cli without the password (its variables unset).
-        events["valkey_without_password"] = stack.docker(
-            "exec", stack.containers("valkey")[0], "sh", "-c",
-            "env -u VALKEYCLI_AUTH -u REDISCLI_AUTH valkey-cli -h 127.0.0.1 XLEN rlmesh:prompts 2>&1", check=False)
-        # A tier holding the password: the queue, and no administrative command.
-        events["valkey_with_password"] = stack.docker(
-            "exec", stack.containers("valkey")[0], "sh", "-c",
-            "{ valkey-cli -h 127.0.0.1 XLEN rlmesh:prompts; valkey-cli -h 127.0.0.1 CONFIG GET dir;"
-            " valkey-cli -h 127.0.0.1 FLUSHALL; } 2>&1", check=False)
-        rollout, reward = stack.containers("rollout", every=False)[0], stack.containers("reward")[0]
-        for name, container in (("rollout", rollout), ("reward", reward)):
-            stack.crash(container)
-            events[f"{name}_crashed_at_step"] = len(stack.train_rows(learner))
-        _wait(lambda: all(int(stack.inspect(c, "{{.RestartCount}}")) >= 1 and
-                          stack.inspect(c, "{{.State.Running}}") == "true" for c in (rollout, reward)),
-              120, "the crashed containers to be restarted", stack)
-        events["restarts"] = {c: int(stack.inspect(c, "{{.RestartCount}}")) for c in (rollout, reward)}
-        _wait(lambda: len(stack.train_rows(learner)) >= NUM_STEPS // 2, 900, "half the run", stack)
-        # Valkey's main process SIGKILLed from the host (no shutdown, no final flush): the engine
-        # restarts it and its append-only file (fsync every second) must hold every group.
-        valkey = stack.containers("valkey")[0]
-        stack.crash(valkey)
-        events["valkey_restarted_at_step"] = len(stack.train_rows(learner))
-        _wait(lambda: int(stack.inspect(valkey, "{{.RestartCount}}")) >= 1 and
-              stack.inspect(valkey, "{{.State.Running}}") == "true", 120, "Valkey to be restarted", stack)
-        events["valkey_restarts"] = int(stack.inspect(valkey, "{{.RestartCount}}"))
-        _wait(lambda: stack.inspect(learner, "{{.State.Status}}") == "exited", 1200, "the learner to finish", stack)
+        first = stack.containers("rollout")[0]
+        _wait(lambda: len(stack.train_rows(learner)) >= SCALE_UP_AT, 900, f"{SCALE_UP_AT} training steps", stack)
+        _crash_and_recover(stack, learner, events)
+        events["first_rollout"] = stack.generator_id(first)
+        _grow(stack, learner, first, events)
+        _restart_valkey(stack, learner, events)
+        _shrink(stack, learner, events)
+        done = events["scaled_down"]["step"] + STEPS_AFTER_SCALE_DOWN
+        _wait(lambda: len(stack.train_rows(learner)) >= done, 900, f"step {done}", stack)
+        stack.docker("exec", learner, "sh", "-c", "echo 'the compose test has seen what it needs' "
+                     "> /data/runs/compose/stop_request")
+        _wait(lambda: stack.inspect(learner, "{{.State.Status}}") == "exited", 600, "the learner to finish", stack)
         events["learner_exit_code"] = int(stack.inspect(learner, "{{.State.ExitCode}}"))
         events["rollout_replicas"] = len(stack.containers("rollout"))
-        # The run may end before the restarted replica's vLLM is up again; it must still come back.
-        _wait(lambda: all(stack.inspect(c, "{{.State.Health.Status}}") == "healthy" for c in (rollout, reward)),
-              300, "the restarted containers to be healthy", stack)
-        events["restarted_healthy"] = True
+        # The server that stayed goes on after the run: every prompt a leaver held must come back.
+        held, survivor = events["scaled_down"]["held"], events["scaled_down"]["survivor"]
+        _wait(lambda: len(stack.queue(survivor, PUBLISHED, json.dumps(held))) == len(held), 300,
+              "the prompts the leaving rollout servers held to be generated again", stack)
+        events["scaled_down"]["held_back"] = stack.queue(survivor, PUBLISHED, json.dumps(held))
+        said = _logs(stack, survivor, events["scaled_down"]["time"])
+        events["scaled_down"]["claimed_by_survivor"] = sum(
+            int(n) for n in re.findall(r"claimed (\d+) prompt groups left pending", said))
         ids = {stack.inspect(c, "{{.Id}}") for c in stack.containers()}
         out_dir = tmp_path_factory.mktemp("out")
         stack.docker("cp", f"{learner}:/data/runs/compose", str(out_dir / "run"))
@@ -225,6 +267,97 @@ def run(tmp_path_factory, rlmesh_images):
         "processes": _processes_in(ids),
     }
     return events
+
+
+def _logs(stack: Stack, container: str, since: float) -> str:
+    """A container's output (stdout and stderr) since `since` (a Unix time)."""
+    out = subprocess.run([DOCKER, "logs", "--since", str(int(since)), container], env=stack.env,
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout + out.stderr
+
+
+def _crash_and_recover(stack: Stack, learner: str, events: dict) -> None:
+    """Crash the rollout and reward containers (one of each yet: the run waits for them) and wait
+    until the engine has restarted them and they serve again."""
+    crashed = [stack.containers("rollout")[0], stack.containers("reward")[0]]
+    events["crashed_at"] = time.time()
+    for name, container in zip(("rollout", "reward"), crashed):
+        stack.crash(container)
+        events[f"{name}_crashed_at_step"] = len(stack.train_rows(learner))
+    _wait(lambda: all(int(stack.inspect(c, "{{.RestartCount}}")) >= 1 and
+                      stack.inspect(c, "{{.State.Health.Status}}") == "healthy" for c in crashed),
+          600, "the crashed containers to be restarted and healthy", stack)
+    events["restarts"] = {c: int(stack.inspect(c, "{{.RestartCount}}")) for c in crashed}
+    events["restarted_healthy_at_step"] = len(stack.train_rows(learner))
+    events["restarted_healthy_s"] = time.time() - events["crashed_at"]
+
+
+def _grow(stack: Stack, learner: str, first: str, events: dict) -> None:
+    """Rollout and reward 1 -> 3; wait until every joined rollout server's groups are trained and
+    Prometheus scrapes every replica."""
+    t0 = time.time()
+    stack.scale(rollout=3, reward=3)
+    events["scaled_up"] = {"time": t0, "step": len(stack.train_rows(learner)), "command_s": time.time() - t0}
+    joiners = {stack.generator_id(c) for c in stack.containers("rollout") if c != first}
+    events["scaled_up"]["joiners"] = sorted(joiners)
+    # Reward servers start in seconds: once Prometheus finds all three (DNS discovery every 15 s), every
+    # rollout server has them too within a connection age (10 s) and a resolve (5 s).
+    _wait(lambda: stack.scraped().get("up", []).count(("reward", 1.0)) == 3, 120, "three reward replicas", stack)
+    events["three_each"] = time.time() + 15  # from here to the scale-down, three reward replicas serve
+    producers = lambda: {g for r in stack.train_rows(learner) for g in r["groups_by_generator"]}  # noqa: E731
+    _wait(lambda: joiners <= producers(), 900, f"trained groups from every joined rollout server {joiners}", stack)
+    # Scrape every 5 s, DNS discovery every 15 s: every tier (every replica) up within a minute.
+    want = sorted([("learner", 1.0)] + [("reward", 1.0)] * 3 + [("rollout", 1.0)] * 3)
+    deadline = time.monotonic() + 90
+    while (scraped := stack.scraped()).get("up") != want or scraped["policy_version"] <= 0:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(3.0)
+    events["prometheus"] = scraped
+    events["hardening"] = _hardening(stack)
+    # A stranger on the compose network: valkey-cli without the password (its variables unset).
+    valkey = stack.containers("valkey")[0]
+    events["valkey_without_password"] = stack.docker(
+        "exec", valkey, "sh", "-c",
+        "env -u VALKEYCLI_AUTH -u REDISCLI_AUTH valkey-cli -h 127.0.0.1 XLEN rlmesh:prompts 2>&1", check=False)
+    # A tier holding the password: the queue, and no administrative command.
+    events["valkey_with_password"] = stack.docker(
+        "exec", valkey, "sh", "-c",
+        "{ valkey-cli -h 127.0.0.1 XLEN rlmesh:prompts; valkey-cli -h 127.0.0.1 CONFIG GET dir;"
+        " valkey-cli -h 127.0.0.1 FLUSHALL; } 2>&1", check=False)
+
+
+def _restart_valkey(stack: Stack, learner: str, events: dict) -> None:
+    """SIGKILL Valkey (no shutdown, no final flush): the engine restarts it and its append-only file
+    (fsync every second) must hold every group."""
+    valkey = stack.containers("valkey")[0]
+    events["valkey_crashed_at"] = time.time()
+    stack.crash(valkey)
+    events["valkey_restarted_at_step"] = len(stack.train_rows(learner))
+    _wait(lambda: int(stack.inspect(valkey, "{{.RestartCount}}")) >= 1 and
+          stack.inspect(valkey, "{{.State.Running}}") == "true", 120, "Valkey to be restarted", stack)
+    events["valkey_restarts"] = int(stack.inspect(valkey, "{{.RestartCount}}"))
+
+
+def _shrink(stack: Stack, learner: str, events: dict) -> None:
+    """Rollout and reward 3 -> 1; which prompts the leaving rollout servers held (pending on them just
+    before and just after they left), and each reward replica's Score calls while three served."""
+    t0 = time.time()
+    events["score_calls"] = stack.score_calls(events["three_each"], t0)
+    events["score_calls_since_scale_up"] = stack.score_calls(events["scaled_up"]["time"], t0)
+    rollouts = {c: stack.generator_id(c) for c in stack.containers("rollout", every=False)}
+    held_before = stack.queue(next(iter(rollouts)), HELD)
+    stack.scale(rollout=1, reward=1)
+    stayed = stack.containers("rollout")
+    assert len(stayed) == 1 and len(stack.containers("reward")) == 1, "scaled down to one of each"
+    leavers = {gid for c, gid in rollouts.items() if c not in stayed}
+    held_after = stack.queue(stayed[0], HELD)
+    held = sorted({g for pending in (held_before, held_after) for who, groups in pending.items() if who in leavers
+                   for g in groups})
+    left_pending = sorted({g for who, groups in held_after.items() if who in leavers for g in groups})
+    events["scaled_down"] = {"time": t0, "step": len(stack.train_rows(learner)), "command_s": time.time() - t0,
+                             "leavers": sorted(leavers), "survivor": stayed[0], "held": held,
+                             "left_pending": left_pending}
 
 
 def _run_follow_ups() -> dict[str, tuple[int, str]]:
@@ -260,40 +393,121 @@ def test_the_commands_printed_to_follow_the_stack_work_as_printed(run):
     assert "learner" in ps and "rollout" in ps, ps
 
 
-def test_the_stack_runs_two_rollout_replicas_and_learns(run):
+def _rows(run: dict, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (run["run_dir"] / name).read_text().splitlines()]
+
+
+def test_the_stack_learns_while_it_grows_and_shrinks(run):
     assert run["learner_exit_code"] == 0, run["logs"]
-    assert run["rollout_replicas"] == 2
-    rows = [json.loads(line) for line in (run["run_dir"] / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"]
-    assert [r["version"] for r in train] == list(range(1, NUM_STEPS + 1))
+    assert run["rollout_replicas"] == 1
+    train = [r for r in _rows(run) if r["kind"] == "train"]
+    summary = json.loads((run["run_dir"] / "summary.json").read_text())
+    assert summary["stop_requested"] and summary["num_steps"] >= run["scaled_down"]["step"] + STEPS_AFTER_SCALE_DOWN
+    assert [r["version"] for r in train] == list(range(1, summary["num_steps"] + 1))
     first, last = train[:8], train[-8:]
     reward_first = sum(r["reward_mean"] for r in first) / len(first)
     reward_last = sum(r["reward_mean"] for r in last) / len(last)
-    print(f"containers: train reward {reward_first:.3f} -> {reward_last:.3f}")
+    before, after = summary["held_out_accuracy_before"], summary["held_out_accuracy_after"]
+    print(f"containers: train reward {reward_first:.3f} -> {reward_last:.3f}, held-out accuracy {before} -> {after}")
     assert reward_last > reward_first + 0.1, f"reward did not rise: {reward_first:.3f} -> {reward_last:.3f}"
-    summary = json.loads((run["run_dir"] / "summary.json").read_text())
+    assert after > before, f"held-out accuracy did not rise: {before} -> {after}"
     assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
     producers = {gid for r in train for gid in r["groups_by_generator"]}
-    assert len(producers) >= 2, f"both replicas generated trained groups: {producers}"
-    crash = run["rollout_crashed_at_step"]
-    assert all(r["num_generators"] == 2 for r in train[:crash]), "every broadcast before the crash reached both"
-    print(f"containers: producers {sorted(producers)}; "
-          f"events {json.dumps({k: v for k, v in run.items() if k not in ('logs', 'run_dir')}, default=str)}")
+    assert {run["first_rollout"], *run["scaled_up"]["joiners"]} <= producers, producers
+    print(f"containers: events {json.dumps({k: v for k, v in run.items() if k not in ('logs', 'run_dir')}, default=str)}")
 
 
 def test_crashed_rollout_and_reward_containers_come_back_and_no_group_is_trained_twice(run):
     assert all(count >= 1 for count in run["restarts"].values()), run["restarts"]
-    assert run["restarted_healthy"]
-    assert run["rollout_crashed_at_step"] < NUM_STEPS, "the crash must land mid-run"
-    rows = [json.loads(line) for line in (run["run_dir"] / "trained_groups.jsonl").read_text().splitlines()]
+    assert run["rollout_crashed_at_step"] <= run["valkey_restarted_at_step"] <= run["scaled_down"]["step"]
+    num_steps = json.loads((run["run_dir"] / "summary.json").read_text())["num_steps"]
+    rows = _rows(run, "trained_groups.jsonl")
     lineage = surviving_lineage(rows)
     trained = [g for r in lineage for g in r["group_ids"]]
-    assert [r["version"] for r in lineage] == list(range(1, NUM_STEPS + 1))
-    assert len(trained) == len(set(trained)) == NUM_STEPS * GROUPS_PER_STEP, "a group was trained twice"
+    assert [r["version"] for r in lineage] == list(range(1, num_steps + 1))
+    assert len(trained) == len(set(trained)) == num_steps * GROUPS_PER_STEP, "a group was trained twice"
 
 
+def _joined(run: dict, train: list[dict], weights: list[dict]) -> dict[str, dict]:
+    """For each rollout server that joined: its first weight update (the learner's version then), its
+    first trained group, and the oldest weights any of its trained groups came from."""
+    t0 = run["scaled_up"]["time"]
+    out = {}
+    for gid in run["scaled_up"]["joiners"]:
+        update = next(w for w in weights if gid in w["generators"])
+        trained = next(r for r in train if gid in r["groups_by_generator"])
+        out[gid] = {"weights_version": update["version"], "weights_s": update["time"] - t0,
+                    "digest": update["digest"], "verified": update["verified"],
+                    "first_trained_step": trained["version"], "join_s": trained["time"] - t0,
+                    "oldest_version": min(r["oldest_version_by_generator"][gid] for r in train
+                                          if gid in r["groups_by_generator"])}
+    return out
+
+
+def _timeline(run: dict, train: list[dict], weights: list[dict], joined: dict, shares: dict) -> str:
+    """What the run did, step by step, for CI's log."""
+    t0, up, down = run["started"], run["scaled_up"], run["scaled_down"]
+    short = lambda gid: gid.split(":")[0].rsplit(".", 1)[-1]  # noqa: E731 (the address's last octet)
+    sent = {w["version"]: w for w in weights}  # the last update of each version (a catch-up re-sends it)
+    lines = ["compose scaling timeline (t: seconds since `up`; rollout servers by their address's last octet)",
+             f"t={run['crashed_at'] - t0:6.0f}  step {run['rollout_crashed_at_step']:2d}  the rollout and reward "
+             f"containers SIGKILLed; restarted and healthy {run['restarted_healthy_s']:.0f} s later",
+             f"t={up['time'] - t0:6.0f}  step {up['step']:2d}  --scale rollout=3 --scale reward=3 "
+             f"(compose {up['command_s']:.0f} s)"]
+    for gid, j in joined.items():
+        lines.append(f"          rollout .{short(gid)} joined: weights v{j['weights_version']} at +{j['weights_s']:.0f} s "
+                     f"({'verified' if j['verified'] else 'not verified'}, digest {j['digest'][:12]}), first trained "
+                     f"group at step {j['first_trained_step']}, +{j['join_s']:.0f} s after --scale; oldest weights of "
+                     f"its trained groups v{j['oldest_version']}")
+    for instance, c in sorted(run["score_calls_since_scale_up"].items()):
+        first = "no call" if c["first_call_s"] is None else f"first Score call seen at +{c['first_call_s']:.0f} s"
+        lines.append(f"          reward {instance}: {first}")
+    lines.append(f"t={run['valkey_crashed_at'] - t0:6.0f}  step {run['valkey_restarted_at_step']:2d}  Valkey "
+                 "SIGKILLed and restarted")
+    lines.append("          Score calls per reward replica while three served: " + ", ".join(
+        f"{i} {c['calls']:.0f} ({shares[i]:.0%})" for i, c in sorted(run["score_calls"].items())))
+    lines.append(f"t={down['time'] - t0:6.0f}  step {down['step']:2d}  --scale rollout=1 --scale reward=1 "
+                 f"(compose {down['command_s']:.0f} s): rollout {', '.join('.' + short(g) for g in down['leavers'])} "
+                 f"left holding {len(down['held'])} prompt groups ({len(down['left_pending'])} still pending once "
+                 f"gone, {down['claimed_by_survivor']} claimed by the one that stayed); "
+                 f"{len(down['held_back'])}/{len(down['held'])} generated again")
+    lines.append("step     t  groups by rollout server        weights to  digest")
+    for r in train:
+        by = " ".join(f".{short(g)}:{n}" for g, n in sorted(r["groups_by_generator"].items()))
+        w = sent.get(r["version"], {})
+        lines.append(f"{r['version']:4d} {r['time'] - t0:5.0f}  {by:30s}  {len(w.get('generators', [])):10d}  "
+                     f"{w.get('digest', '')[:12]}")
+    return "\n".join(lines)
+
+
+def test_rollout_and_reward_grow_and_shrink_while_training(run, capsys):
+    """1 -> 3 -> 1 of each while training: joiners get the current weights (digest-verified) before
+    their groups count, each reward replica serves a fair share, a leaver's prompts come back."""
+    rows = _rows(run)
+    train = [r for r in rows if r["kind"] == "train"]
+    weights = [r for r in rows if r["kind"] == "weights"]
+    joined = _joined(run, train, weights)
+    calls = run["score_calls"]
+    total = sum(c["calls"] for c in calls.values())
+    shares = {i: c["calls"] / max(total, 1.0) for i, c in calls.items()}
+    with capsys.disabled():
+        print("\n" + _timeline(run, train, weights, joined, shares))
+    assert len(joined) == 2, joined
+    for gid, j in joined.items():
+        # Registered at version 0 (the model on disk), it served nothing until the learner's catch-up
+        # reached it: none of its trained groups is older than that update, which came before them.
+        assert j["verified"] and j["weights_s"] < j["join_s"], (gid, j)
+        assert j["oldest_version"] >= j["weights_version"] >= SCALE_UP_AT, (gid, j)
+    assert all(w["verified"] and len(w["digest"]) >= 32 for w in weights), "every update digest-verified"
+    # Every reward replica took a real share while three served (round-robin, names resolved again
+    # as connections age out): at least half of a third each.
+    assert len(calls) == 3 and all(share >= 1 / 6 for share in shares.values()), shares
+    down = run["scaled_down"]
+    assert down["held"] and down["held_back"] == down["held"], "a prompt a leaving rollout server held never came back"
+    assert down["claimed_by_survivor"] >= len(down["left_pending"]), down
+    assert sum(r["num_failed_samples"] for r in train) == 0, "a reward replica leaving failed samples"
 def test_a_killed_valkey_keeps_every_group(run):
-    assert run["valkey_restarted_at_step"] < NUM_STEPS, "the kill must land mid-run"
+    assert run["valkey_restarted_at_step"] < run["scaled_down"]["step"] + STEPS_AFTER_SCALE_DOWN, "mid-run"
     assert run["valkey_restarts"] >= 1, "the engine restarted the killed Valkey"
     summary = json.loads((run["run_dir"] / "summary.json").read_text())
     # An empty Valkey after the restart would have been noticed and its groups issued again.
@@ -317,7 +531,8 @@ def test_every_container_runs_as_a_non_root_user_on_a_read_only_root(run):
 
 def test_the_observability_profile_s_prometheus_scrapes_every_tier(run):
     scraped = run["prometheus"]
-    assert scraped.get("up") == [("learner", 1.0), ("reward", 1.0), ("rollout", 1.0), ("rollout", 1.0)], scraped
+    want = sorted([("learner", 1.0)] + [("reward", 1.0)] * 3 + [("rollout", 1.0)] * 3)
+    assert scraped.get("up") == want, scraped
     assert scraped["policy_version"] > 0 and scraped["rollout_tokens"] > 0, scraped
 
 
