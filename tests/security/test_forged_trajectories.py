@@ -185,6 +185,7 @@ class Forger:
         self.add("garbage", b"\xff\x00 not a protobuf \xff" * 8)
 
 
+@pytest.mark.timeout(600)  # a whole run (SFT, vLLM, 16 steps): ~3 min alone here, twice that under load
 def test_forged_trajectory_entries_are_dropped_with_reasons_and_the_run_learns(tmp_path):
     port = free_port()
     valkey = _valkey(port, tmp_path / "valkey")
