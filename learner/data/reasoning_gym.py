@@ -2,8 +2,8 @@
 size=, **settings)`) as `Example`s for the `reasoning_gym` environment, which scores them with the
 dataset's own scorer.
 
-The held-out set is the first `num_eval` distinct questions the seeded generator gives, the training
-set the next `num_train` distinct ones: split by question, not by seed, because a generator with
+The held-out set is the first `num_eval` distinct questions the seeded generator gives (after the
+`num_shots` solved examples shown before each question), the training set the next `num_train` distinct ones: split by question, not by seed, because a generator with
 easy settings repeats its questions (two seeds would share some, and one seed gives some twice).
 Held out first, so that the held-out set does not change with `num_train`. The prompt follows
 reasoning-gym's own convention: one of its system prompts asking for the answer in
@@ -52,11 +52,12 @@ def system_message(name: str | None) -> list[dict[str, str]]:
 def load_reasoning_gym(cfg: ReasoningGymDataSection, run_seed: int) -> tuple[list[Example], list[Example]]:
     """(train, eval): distinct questions, none in both; ValueError when the generator cannot give as many."""
     seed = run_seed if cfg.seed is None else cfg.seed
-    wanted = cfg.num_eval + cfg.num_train
+    wanted = cfg.num_shots + cfg.num_eval + cfg.num_train
     max_draws = _DRAWS_PER_QUESTION * wanted
     dataset = make_dataset(cfg, seed, max_draws)
     system = system_message(cfg.system_prompt)
     examples: list[Example] = []
+    shots: list[dict[str, str]] = []
     seen: set[str] = set()
     for index in range(max_draws):
         entry = dataset[index]
@@ -69,10 +70,13 @@ def load_reasoning_gym(cfg: ReasoningGymDataSection, run_seed: int) -> tuple[lis
             raise ValueError(f"data: reasoning-gym {cfg.dataset!r} entry {index} has metadata that is not JSON "
                              f"({err}); this dataset cannot be sent to the reward server") from None
         user = {"role": "user", "content": cfg.prompt_template.replace("{question}", entry["question"])}
-        examples.append(Example(id=f"{cfg.dataset}-{seed}-{index}", messages=[*system, user], env=cfg.env_name,
-                                metadata=metadata))
-        if len(examples) == wanted:
+        if len(shots) < 2 * cfg.num_shots:
+            shots += [user, {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
+            continue
+        examples.append(Example(id=f"{cfg.dataset}-{seed}-{index}", messages=[*system, *shots, user],
+                                env=cfg.env_name, metadata=metadata))
+        if len(examples) == wanted - cfg.num_shots:
             return examples[cfg.num_eval:], examples[: cfg.num_eval]
-    raise ValueError(f"data: reasoning-gym {cfg.dataset!r} with settings {cfg.settings!r} gave {len(examples)} "
-                     f"distinct questions in {max_draws} draws, fewer than num_eval + num_train = {wanted}; "
+    raise ValueError(f"data: reasoning-gym {cfg.dataset!r} with settings {cfg.settings!r} gave {len(seen)} "
+                     f"distinct questions in {max_draws} draws, fewer than num_shots + num_eval + num_train = {wanted}; "
                      "lower data.num_train / data.num_eval or widen data.settings")

@@ -188,6 +188,8 @@ class ReasoningGymDataSection(Section):
     """A system message: the name of one of reasoning-gym's prompts (`default`, `direct`, `simple`, `chain_of_draft`, `DeepSeekZero`; each asks for the answer in `<answer></answer>`, which the environment reads), or null for none."""
     prompt_template: str = "{question}"
     """Text the question is put into at `{question}`, as the user message (e.g. `{question} Give the answer in <answer></answer> tags.`)."""
+    num_shots: int = Field(0, ge=0)
+    """Solved examples put before every question as earlier turns (the question, then `<answer>answer</answer>` as the assistant's): questions of their own, in neither split; for a small model that does not use the tags unshown."""
     env_name: str = "reasoning_gym"
     """Environment that scores these prompts."""
 

@@ -67,6 +67,18 @@ def test_prompt_follows_reasoning_gyms_convention_and_metadata_survives_a_struct
     assert [m["role"] for m in bare.at(0).messages] == ["user"]
 
 
+def test_solved_examples_come_before_each_question_and_are_in_neither_split():
+    train, evals = load_dataset(_cfg(num_shots=2), seed=0)
+    messages = train.at(0).messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert all(e.messages[:5] == messages[:5] for e in [*train.examples, *evals]), "the same shots everywhere"
+    assert messages[2]["content"].startswith("<answer>") and messages[2]["content"].endswith("</answer>")
+    shown = {messages[1]["content"], messages[3]["content"]}
+    assert not shown & set(_questions([*train.examples, *evals]))
+    _, no_shots = load_dataset(_cfg(), seed=0)
+    assert shown == set(_questions(no_shots[:2])), "the shots are the first distinct questions"
+
+
 @pytest.mark.parametrize("overrides, error", [
     ({"dataset": "no_such_task"}, "data.dataset='no_such_task' is not a reasoning-gym dataset; choices: .*leg_counting"),
     ({"settings": {"max_digitz": 1}}, r"data.settings=.*rejected by reasoning-gym's 'basic_arithmetic' config: TypeError"),
