@@ -120,7 +120,7 @@ class EpisodeRunner:
                         reset, timeout_s=self.cfg.step_timeout_s,
                         stream_timeout_s=self.cfg.episode_timeout_s + self.cfg.step_timeout_s)
                 except (grpc.aio.AioRpcError, TimeoutError) as err:
-                    raise self._env_failed("reset", "the reward tier", err) from None
+                    raise self._env_failed(group.env_name, "reset", "the reward tier", err) from None
                 tools = [MessageToDict(t) for t in reply.tools]
                 try:
                     trace.context = self.codec.prompt(as_dicts(group.messages) + as_dicts(reply.observation), tools)
@@ -163,7 +163,7 @@ class EpisodeRunner:
                 reply = await session.exchange(reward_pb2.SessionRequest(step=reward_pb2.StepRequest(action=action)),
                                                self.cfg.step_timeout_s)
             except (grpc.aio.AioRpcError, TimeoutError) as err:
-                raise self._env_failed("step", f"reward server {session.address}", err) from None
+                raise self._env_failed(group.env_name, "step", f"reward server {session.address}", err) from None
             step = reply.step
             record.env_seconds = time.monotonic() - t0
             record.reward = step.reward
@@ -181,13 +181,14 @@ class EpisodeRunner:
             record.num_env_tokens = len(env_ids)
         trace.finish_reason = "max_turns"
 
-    def _env_failed(self, what: str, where: str, err: BaseException) -> EpisodeFailed:
+    def _env_failed(self, env_name: str, what: str, where: str, err: BaseException) -> EpisodeFailed:
         """The episode's ending for a reset or step that failed (`step_timeout` or `env_error`)."""
         if isinstance(err, TimeoutError) or (isinstance(err, grpc.aio.AioRpcError)
                                              and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
-            return EpisodeFailed("step_timeout", f"the environment's {what} took longer than "
-                                                 f"rollout.episode.step_timeout_s={self.cfg.step_timeout_s}s")
-        return EpisodeFailed("env_error", f"{what} on {where} failed: {rpc_problem(err)}")
+            said = f" ({err.details()})" if isinstance(err, grpc.aio.AioRpcError) else ""
+            return EpisodeFailed("step_timeout", f"environment {env_name!r}: the {what} took longer than "
+                                                 f"rollout.episode.step_timeout_s={self.cfg.step_timeout_s}s{said}")
+        return EpisodeFailed("env_error", f"environment {env_name!r}: the {what} on {where} failed: {rpc_problem(err)}")
 
 
 def trace_sample(index: int, trace: EpisodeTrace, num_shared: int, version: int,

@@ -173,11 +173,11 @@ async def test_a_group_whose_every_episode_failed_before_its_prompt_is_a_failed_
         group = trajectory(prompt, 2)
         group.ClearField("prompt_token_ids")
         for sample in group.samples:
-            sample.error = "env_error: reset on the reward tier failed: UNAVAILABLE: gone"
+            sample.error = "env_error: environment 'calc': the reset on the reward tier failed: UNAVAILABLE: gone"
         if i == 0:
             assert not await admission.accept(_entry(group), group, version=2)
         else:
-            with pytest.raises(RunStalled, match="reward server: 0 valid samples .*reset on the reward tier failed"):
+            with pytest.raises(RunStalled, match="reward server: 0 valid samples .*the reset on the reward tier failed"):
                 await admission.accept(_entry(group), group, version=2)
     assert admission.num_dropped_invalid == 0 and not admission.malformed and issuer.in_flight == 2
 
