@@ -66,7 +66,12 @@ def sample_problems(sample: common_pb2.Sample, num_prompt_tokens: int, version: 
     bad = _bad_logprob(logprobs)
     if bad is not None:
         return f"{where}: logprob {bad} is not finite and <= 0"
-    rewards = {"reward": sample.reward, **{f"component {k!r}": v for k, v in sample.reward_components.items()}}
+    rewards = {"reward": sample.reward, **{f"component {k!r}": v for k, v in sample.reward_components.items()},
+               **{f"turn {i} reward": t.reward for i, t in enumerate(sample.turns)}}
+    for i, turn in enumerate(sample.turns):  # per-turn credit trains each turn's span on its own advantage
+        if not (0 <= turn.start and 0 <= turn.num_sampled_tokens and turn.start + turn.num_sampled_tokens <= len(ids)):
+            return (f"{where}: turn {i} spans completion tokens {turn.start}..{turn.start + turn.num_sampled_tokens}, "
+                    f"outside its {len(ids)}")
     for name, value in rewards.items():
         if not (math.isfinite(value) and abs(value) <= bounds.max_abs_reward):
             return (f"{where}: {name} {value} is not finite or beyond +/-{bounds.max_abs_reward:g} "
