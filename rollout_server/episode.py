@@ -1,7 +1,8 @@
 """Multi-turn episodes against a reward server's sessions, token-in/token-out.
 
 An episode is one `Session` stream to a reward server (see `reward_client`): reset (the
-environment's first messages and its tools) → generate → step with the model's message → append the environment's answer → generate again, until the environment says
+environment's first messages and its tools) → generate → step with the model's message → append
+the environment's answer → generate again, until the environment says
 done or a budget ends it (`rollout.episode`: turns, total tokens, per-call and per-episode time).
 
 Token-in/token-out: what vLLM sampled is kept exactly, id for id, and the next turn is generated

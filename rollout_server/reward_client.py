@@ -78,7 +78,11 @@ class EnvSession:
         except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
             log.debug("ending a session's stream on %s: %r", self.address, err)
         finally:
-            self._call.cancel()
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Drop the stream at once (the server closes its session)."""
+        self._call.cancel()
 
     async def _end(self) -> None:
         if not self._call.done():
@@ -130,7 +134,7 @@ class RewardPool:
             try:
                 reply = await session.exchange(reward_pb2.SessionRequest(reset=reset), timeout_s)
             except BaseException:
-                session._call.cancel()
+                session.cancel()
                 raise
             return session, reply.reset
 

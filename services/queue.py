@@ -39,18 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Atomic: drop a key seen before, refuse when full, else remember the key and append.
-_PUBLISH_LUA = """
-if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 0 end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
-redis.call('SADD', KEYS[2], ARGV[1])
-return redis.call('XADD', KEYS[1], '*', 'key', ARGV[1], 'data', ARGV[2])
-"""
-
-# The same for each (key, data) pair of ARGV after the first (max_len): one result per pair. One
-# script, so Valkey serves the clients blocked on the stream once for the whole batch: after each
-# command it passes over every one of them, which at a thousand idle rollout servers made each prompt
-# group of a pipelined batch cost it ~1 ms (O(servers x groups) a step).
+# Atomic, for each (key, data) pair of ARGV after the first (max_len): drop a key seen before (0),
+# refuse when the stream is full (-1), else remember the key and append (the entry id). One script a
+# batch (a single publish is a batch of one): Valkey passes over every client blocked on the stream
+# after each command, which at a thousand idle rollout servers made each prompt group of a pipelined
+# batch cost it ~1 ms (O(servers x groups) a step).
 _PUBLISH_MANY_LUA = """
 local out = {}
 for i = 2, #ARGV, 2 do
@@ -159,7 +152,6 @@ class StreamQueue:
         self.max_len, self.claim_idle_ms = max_len, claim_idle_ms
         self.reconnect_timeout_s = reconnect_timeout_s
         self._seen_key = f"{stream}:published"
-        self._publish = client.register_script(_PUBLISH_LUA)
         self._publish_many = client.register_script(_PUBLISH_MANY_LUA)
         self.connected = True
         self.last_error = ""
@@ -214,8 +206,8 @@ class StreamQueue:
         raises QueueFullError after `wait_timeout_s` (None: wait forever)."""
         start, warned, attempt = time.monotonic(), False, 0
         while True:
-            result = await self._call("publish", lambda: self._publish(keys=[self.stream, self._seen_key],
-                                                                      args=[key, data, self.max_len]))
+            [result] = await self._call("publish", lambda: self._publish_many(keys=[self.stream, self._seen_key],
+                                                                             args=[self.max_len, key, data]))
             if result == 0:
                 return None
             if result != -1:
