@@ -58,6 +58,13 @@ def main() -> int:
     print("\n== seconds per test module (tests) ==")
     for module, times in sorted(by_file.items(), key=lambda kv: -sum(kv[1])):
         print(f"{sum(times):8.1f}  {len(times):4d}  {module}")
+    # Again in short, near the end of the log (what a reader of its last lines sees): the ten slowest
+    # tests and the ten heaviest modules.
+    print("\n== in short: the 10 slowest tests, the 10 heaviest modules ==")
+    for name, seconds, outcome, _ in sorted(cases, key=lambda c: -c[1])[:10]:
+        print(f"{seconds:8.1f}  {outcome:7s}  {name.removeprefix('tests.')}")
+    for module, times in sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        print(f"{sum(times):8.1f}  {len(times):4d}  {module}")
     counts = defaultdict(int)
     for _, _, outcome, _ in cases:
         counts[outcome] += 1

@@ -1,6 +1,6 @@
 """Shared fixtures: a real embedded Valkey server and a tiny local model, each built once; and the
 process reaper (tests/processes.py): whatever a test started is stopped after it, and the session
-fails if anything a test started is still running at its end."""
+fails if a test left anything running or anything a test started is still running at its end."""
 
 from __future__ import annotations
 
@@ -98,8 +98,11 @@ def pytest_runtest_setup(item):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fails the session if any process a test started (session fixtures included, which are torn
-    down by now) is still running; stops them."""
+    """Fails the session if a test or module left a process running (stopped after it, see `_owning`),
+    or if any process a test started (session fixtures included, which are torn down by now) is still
+    running; stops them."""
+    if _REAPED:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     session_id = os.environ[processes.SESSION_ENV]
     left = processes.still_running(processes.SESSION_ENV, session_id, _SESSION_START, spare=processes.held_pool_worker)
     if left:
@@ -110,8 +113,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for nodeid, reaped in _REAPED:
-        terminalreporter.write_line(f"reaped after {nodeid}: {len(reaped)} process(es) it left running: "
-                                    + "; ".join(reaped[:5]))
+        terminalreporter.write_line(f"FAILED: {nodeid} left {len(reaped)} process(es) running (stopped after it): "
+                                    + "; ".join(reaped[:5]), red=True)
     leaked = getattr(config, "_rlmesh_leaked", [])
     if leaked:
         terminalreporter.write_line(f"FAILED: {len(leaked)} process(es) started by tests still ran at the end "

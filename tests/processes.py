@@ -6,7 +6,8 @@ by everything a test launches — `rlmesh up`, the services it starts in process
 own, vLLM's engine processes, torchrun's ranks — so a process can be found by its environment even
 after its parent died or it was re-parented. After each test the processes carrying its owner id
 are signalled (SIGTERM, then SIGKILL); after each module, everything carrying the module's id; at
-the end of the session any process still carrying the session id fails the run. Worker pools the
+the end of the session any process still carrying the session id fails the run, as does any process
+a test or module left running (stopped then, and named in the session's summary). Worker pools the
 test process itself holds are spared throughout (its `multiprocessing` children, such as a module
 fixture's pool started on first use, or multiprocessing's resource tracker): their owners stop them,
 and they end with the test process."""
@@ -80,7 +81,10 @@ def _with_descendants(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 def reap(key: str, value: str, since: float, grace_s: float = 5.0, spare=lambda proc: False) -> list[str]:
     """Stop every live process whose environment has `key=value`, but those `spare` keeps (SIGTERM,
-    then SIGKILL after `grace_s`); returns what was found running, described."""
+    then SIGKILL after `grace_s`); returns what was found running, described. Ones caught mid-exit get
+    the moment `still_running` gives them and are not counted."""
+    if not still_running(key, value, since, spare):
+        return []
     procs = _with_descendants(_carrying(key, value, since, spare))
     if not procs:
         return []

@@ -14,6 +14,16 @@ from rlmesh.services.config import LoggingSection
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def _wandb_service_stopped():
+    """W&B runs its writer as a service process that lives as long as the process that used it (a
+    learner's ends with the learner); this test process goes on, so it stops the service itself."""
+    yield
+    import wandb
+
+    wandb.teardown()
+
+
 def _write(run_dir: Path, logging: LoggingSection, versions: range, config: dict) -> None:
     writer = MetricsWriter(run_dir, trackers=build_trackers(logging, run_dir, "trk", config))
     for v in versions:
