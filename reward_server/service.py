@@ -41,6 +41,7 @@ from rlmesh.reward_server.function_workers import WorkerLimits
 from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
 from rlmesh.reward_server.environments.math import MathEnvironment
 from rlmesh.reward_server.environments.reasoning_gym import ReasoningGymEnvironment
+from rlmesh.reward_server.environments.textarena import TextArenaEnvironment
 from rlmesh.reward_server.limits import RequestLimits
 from rlmesh.reward_server.remote import RemoteEnvironment
 from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
@@ -54,7 +55,8 @@ from rlmesh.services.domain.chat import as_dicts as to_messages
 log = logging.getLogger(__name__)
 
 BUILTIN = {"arithmetic": ArithmeticEnvironment, "guess_number": GuessNumberEnvironment,
-           "calculator": CalculatorEnvironment, "math": MathEnvironment, "reasoning_gym": ReasoningGymEnvironment}
+           "calculator": CalculatorEnvironment, "math": MathEnvironment, "reasoning_gym": ReasoningGymEnvironment,
+           "textarena": TextArenaEnvironment}
 # Share of the caller's remaining deadline given to the environment, so that per-item errors get
 # back to the caller before its own deadline ends the whole call.
 _DEADLINE_SHARE = 0.9

@@ -1,5 +1,5 @@
 """Prompt datasets: generated arithmetic problems, JSONL files, anything Hugging Face `datasets`
-reads (`rlmesh.learner.data.hf`), or a reasoning-gym dataset (`rlmesh.learner.data.reasoning_gym`), as
+reads (`rlmesh.learner.data.hf`), a reasoning-gym dataset (`rlmesh.learner.data.reasoning_gym`) or a TextArena game's seeds, as
 `Example`s in a training order (`rlmesh.learner.data.examples`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlmesh.learner.data.examples import Example, TrainData, TrainOrder, assistant_turn
 from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
-                                    JsonlDataSection, ReasoningGymDataSection)
+                                    JsonlDataSection, ReasoningGymDataSection, TextArenaDataSection)
 from rlmesh.services.domain.tasks import ADD_TOOL, calculator_prompt
 
 
@@ -68,6 +68,18 @@ def _calculator(cfg: CalculatorDataSection, seed: int) -> tuple[list[Example], l
     return examples[cfg.num_eval:], examples[: cfg.num_eval]
 
 
+def _textarena(cfg: TextArenaDataSection, seed: int) -> tuple[list[Example], list[Example]]:
+    """One episode per game seed: held-out seeds first, then training seeds, so that none is in both and the
+    held-out set does not change with `num_train`. The prompt is the system message alone (if any): the
+    game's own rules are the episode's first observation."""
+    first = seed * 1_000_003 if cfg.seed is None else cfg.seed
+    system = [] if cfg.system_prompt is None else [{"role": "system", "content": cfg.system_prompt}]
+    examples = [Example(id=f"{cfg.game}-{s}", messages=list(system), env=cfg.env_name,
+                        metadata={"game": cfg.game, "seed": s})
+                for s in range(first, first + cfg.num_eval + cfg.num_train)]
+    return examples[cfg.num_eval:], examples[: cfg.num_eval]
+
+
 def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
@@ -117,6 +129,8 @@ def load_dataset(cfg: DataSection, seed: int) -> tuple[TrainData, list[Example]]
         from rlmesh.learner.data.reasoning_gym import load_reasoning_gym
 
         train, evals = load_reasoning_gym(cfg, seed)
+    elif isinstance(cfg, TextArenaDataSection):
+        train, evals = _textarena(cfg, seed)
     else:
         train, evals = _jsonl(cfg.train_path, cfg), _jsonl(cfg.eval_path, cfg)
     return TrainOrder(train), evals

@@ -10,7 +10,7 @@ from __future__ import annotations
 from rlmesh.services.config.base import Section
 from rlmesh.services.config.model_data import (
     RunSection, TinyModelSection, HFModelSection, ModelSection, ArithmeticDataSection, JsonlDataSection,
-    CalculatorDataSection, HFDataSection, ReasoningGymDataSection, DataSection,
+    CalculatorDataSection, HFDataSection, ReasoningGymDataSection, TextArenaDataSection, DataSection,
 )
 from rlmesh.services.config.prompt import PromptSection
 from rlmesh.services.config.rollout import (
@@ -34,7 +34,7 @@ from rlmesh.services.config.run_config import (
 
 __all__ = [
     "Section", "RunSection", "TinyModelSection", "HFModelSection", "ModelSection", "ArithmeticDataSection",
-    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "ReasoningGymDataSection", "DataSection", "PromptSection", "EpisodeSection", "AgentEndpointSection",
+    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "ReasoningGymDataSection", "TextArenaDataSection", "DataSection", "PromptSection", "EpisodeSection", "AgentEndpointSection",
     "RolloutSection", "McpEnvironmentSection", "CodeEnvironmentSection", "JudgeEnvironmentSection",
     "OpenEnvEnvironmentSection", "MathEnvironmentSection", "RewardSection", "LoRASection", "StallSection",
     "FSDP2BackendSection", "MegatronBackendSection", "BackendSection", "LearnerSection", "SFTSection",

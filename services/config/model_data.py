@@ -204,7 +204,25 @@ class ReasoningGymDataSection(Section):
         return self
 
 
+class TextArenaDataSection(Section):
+    type: Literal["textarena"] = "textarena"
+    """Episodes of a TextArena single-player game (`pip install rlmesh[games]`), played turn by turn in the `textarena` environment."""
+    game: str
+    """TextArena game id, as `textarena.make` takes it (e.g. `GuessTheNumber-v0`, `TowerOfHanoi-v0`, `Minesweeper-v0-small`)."""
+    num_train: int = Field(1000, gt=0)
+    """Training episodes: one game seed each."""
+    num_eval: int = Field(50, gt=0)
+    """Held-out episodes: game seeds none of the training episodes uses."""
+    seed: int | None = None
+    """First game seed (unset: run.seed * 1,000,003): held-out episodes take the next `num_eval` seeds, training the `num_train` after them."""
+    system_prompt: str | None = None
+    """A system message before the game's own rules (which are the first user message); null for none."""
+    env_name: str = "textarena"
+    """Environment that plays these episodes."""
+
+
 DataSection = Annotated[
-    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection, ReasoningGymDataSection],
+    Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection, ReasoningGymDataSection,
+          TextArenaDataSection],
     Field(discriminator="type"),
 ]

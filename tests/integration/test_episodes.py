@@ -380,3 +380,31 @@ async def test_agents_written_with_frameworks_run_unchanged_and_train_on_the_ids
             seqs.append(Sequence(list(traj.prompt_token_ids), ids, mask, list(s.logprobs)))
     gap = _learner_gap(model, seqs, tok.pad_token_id)
     assert gap < 2e-3, f"learner vs vLLM logprob gap {gap:.2e}"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_textarena_game_is_played_turn_by_turn_and_one_that_does_not_exist_is_named(mesh):
+    """TextArena's Guess The Number, unchanged, in the reward server's `textarena` environment: its rules
+    open the episode, each answer of the game is masked out, and the game's own rules end it (the random
+    model seldom writes a `[n]` guess: two moves the game cannot read end it with the game's reward 0)."""
+    from transformers import AutoTokenizer
+
+    game = _group("textarena", 3, game="GuessTheNumber-v0", seed=5)
+    missing = _group("textarena", 1, game="NoSuchGame-v0")
+    for g in (game, missing):
+        await mesh["prompts"].publish(g.group_id, g.SerializeToString())
+    got = await _collect(mesh, {game.group_id, missing.group_id})
+    tok = AutoTokenizer.from_pretrained(mesh["model"])
+    traj = got[game.group_id]
+    assert "You are playing Guess The Number" in tok.decode(traj.prompt_token_ids)
+    for s in traj.samples:
+        assert not s.error and s.finish_reason in ("done", "max_turns"), (s.finish_reason, s.error)
+        assert s.reward in (0.0, 1.0) and 1 <= s.num_turns <= MAX_TURNS
+        ids = list(s.completion.token_ids)
+        for t in s.turns[:-1]:
+            answer = tok.decode(ids[t.start + t.num_sampled_tokens: t.start + t.num_sampled_tokens + t.num_env_tokens])
+            assert "invalid move" in answer or "The target number is" in answer, answer
+            assert not any(s.completion.loss_mask[t.start + t.num_sampled_tokens:][:t.num_env_tokens])
+    assert any(s.num_turns >= 2 for s in traj.samples), "the game answered no move"
+    (s,) = got[missing.group_id].samples
+    assert s.finish_reason == "env_error" and "'NoSuchGame-v0' is not a TextArena game id" in s.error, s.error
