@@ -57,6 +57,7 @@ class StallWatch:
         self.flat_rewards: Counter[float] = Counter()  # the rewards of the flat groups in a row
         self._next_flat_warning = max(zero_signal_limit // 4, 1)
         self.t_first_failure = 0.0
+        self.reward_range: tuple[float, float] | None = None  # the lowest and highest sample reward of the run
 
     def alert(self, message: str, *, fatal: bool = False) -> None:
         """A line for the console (an alert row); a fatal one is logged by whoever catches RunStalled."""
@@ -97,6 +98,9 @@ class StallWatch:
 
     def scored(self, rewards: list[float]) -> None:
         """A group's valid samples came back scored: with a signal, or all equal (no advantage)."""
+        if rewards:
+            low, high = self.reward_range or (min(rewards), max(rewards))
+            self.reward_range = (min(low, *rewards), max(high, *rewards))
         if len(set(rewards)) > 1:
             self.succeeded()
             return
@@ -107,11 +111,17 @@ class StallWatch:
         if not self.zero_signal_limit:
             return
         rewards_seen = ", ".join(f"{n} at {r:g}" for r, n in self.flat_rewards.most_common(3))
-        what = (f"no reward signal: {self.flat_in_a_row} groups in a row had every sample score the same "
-                f"({rewards_seen}), so no step can learn from them. Check the model's footing with `rlmesh check "
-                "-c CONFIG`: a higher rollout.temperature, a larger algorithm.group_size, easier prompts, a "
-                "prompt format that fits the model (prompt.format, prompt.prefix) or a partial-credit reward "
-                "can give it one")
+        what = f"no reward signal: {self.flat_in_a_row} groups in a row had every sample score the same ({rewards_seen})"
+        (most, _), = self.flat_rewards.most_common(1)
+        low, high = self.reward_range or (most, most)
+        if most == high > low:  # most of them at the best reward the run has seen, where others scored lower
+            what += (f": most at the run's best reward, {high:g}, on every sample, so the model solves these prompts "
+                     "and no step can learn from them. Harder prompts (the data's settings) or a stricter reward "
+                     "give it a signal again")
+        else:
+            what += (", so no step can learn from them. Check the model's footing with `rlmesh check -c CONFIG`: a "
+                     "higher rollout.temperature, a larger algorithm.group_size, easier prompts, a prompt format "
+                     "that fits the model (prompt.format, prompt.prefix) or a partial-credit reward can give it one")
         if self.flat_in_a_row >= self.zero_signal_limit and self.stop_on_zero_signal:
             message = what + f"; stopping (learner.stall.zero_signal_groups={self.zero_signal_limit}; " \
                              "learner.stall.on_zero_signal=warn goes on)"

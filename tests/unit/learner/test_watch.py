@@ -50,3 +50,24 @@ def test_limits_default_from_the_batch():
     assert failure_limit(LearnerSection(groups_per_step=2)) == 8
     assert zero_signal_limit(LearnerSection(groups_per_step=16)) == 128
     assert zero_signal_limit(LearnerSection(groups_per_step=2, stall={"zero_signal_groups": 5})) == 5
+
+
+def test_groups_the_model_solves_are_told_apart_from_a_model_without_footing():
+    """Flat groups mostly at the best reward of the run (others scored lower before) mean the prompts are
+    solved: the advice is harder prompts, not the footing check (seen on reasoning-gym's basic_arithmetic,
+    12 of 16 groups solved by all 8 samples at step 11)."""
+    rows = Rows()
+    watch = StallWatch(rows, failure_limit=0, zero_signal_limit=64)
+    watch.scored([0.0, 1.0, 1.0, 0.0])  # a signal: the run has seen 0 and 1
+    for r in [1.0] * 12 + [0.0] * 4:
+        watch.scored([r] * 8)
+    said = [r["message"] for r in rows if r["kind"] == "alert"][-1]
+    assert "(12 at 1, 4 at 0)" in said and "the model solves these prompts" in said and "Harder prompts" in said
+    assert "footing" not in said
+    # A model that never scores: the footing advice, whatever the value it is stuck at.
+    stuck = Rows()
+    watch = StallWatch(stuck, failure_limit=0, zero_signal_limit=64)
+    for _ in range(16):
+        watch.scored([0.0] * 8)
+    said = [r["message"] for r in stuck if r["kind"] == "alert"][-1]
+    assert "rlmesh check" in said and "solves" not in said
