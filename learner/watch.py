@@ -111,7 +111,8 @@ class StallWatch:
         if not self.zero_signal_limit:
             return
         rewards_seen = ", ".join(f"{n} at {r:g}" for r, n in self.flat_rewards.most_common(3))
-        what = f"no reward signal: {self.flat_in_a_row} groups in a row had every sample score the same ({rewards_seen})"
+        what = (f"no reward signal: {self.flat_in_a_row} groups in a row had every sample score the same "
+                f"({rewards_seen})")
         (most, _), = self.flat_rewards.most_common(1)
         low, high = self.reward_range or (most, most)
         if most == high > low:  # most of them at the best reward the run has seen, where others scored lower

@@ -1,6 +1,6 @@
 """Prompt datasets: generated arithmetic problems, JSONL files, anything Hugging Face `datasets`
-reads (`rlmesh.learner.data.hf`), a reasoning-gym dataset (`rlmesh.learner.data.reasoning_gym`) or a TextArena game's seeds, as
-`Example`s in a training order (`rlmesh.learner.data.examples`)."""
+reads (`rlmesh.learner.data.hf`), a reasoning-gym dataset (`rlmesh.learner.data.reasoning_gym`) or
+a TextArena game's seeds, as `Example`s in a training order (`rlmesh.learner.data.examples`)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ def make_game(game: str) -> Any:
         import textarena
         from textarena.envs.registration import ENV_REGISTRY
     except ImportError as err:
-        raise ValueError(f"textarena is not installed on this reward server ({err}); pip install 'rlmesh[games]'") from None
+        raise ValueError(f"textarena is not installed on this reward server ({err}); "
+                         "pip install 'rlmesh[games]'") from None
     raw = f"{game}-raw"
     if raw not in ENV_REGISTRY:
         single = sorted(k.removesuffix("-raw") for k in ENV_REGISTRY if k.endswith("-raw"))
@@ -111,8 +112,9 @@ class TextArenaEnvironment:
             raise RuntimeError(f"textarena: {state.game} ended with reward {reward!r:.60} for the player, not a finite "
                                "number")
         player = info.get(_PLAYER, {}) if isinstance(info, dict) else {}
+        invalid = float(bool(player.get("invalid_move")))
         return StepOutput(reward=float(reward), done=True,
-                          components={"correct": float(reward > 0), "invalid_move": float(bool(player.get("invalid_move")))},
+                          components={"correct": float(reward > 0), "invalid_move": invalid},
                           metadata={"turns": state.turns, "end": str(player.get("reason", ""))[:300]})
 
     def close(self, state: GameState) -> None:
