@@ -14,8 +14,8 @@ import json
 import os
 import re
 import subprocess
+import secrets
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -76,8 +76,7 @@ class Cluster:
         return match.group(1) if match else "UNKNOWN"
 
     def train_steps(self, run_dir: str) -> int:
-        out = self.on_node("node1", "sh", "-c", f"cat {run_dir}/metrics.jsonl 2>/dev/null || true", user="10001")
-        return sum(1 for line in out.splitlines() if '"kind": "train"' in line)
+        return len(self.generators(run_dir))
 
     def read(self, path: str) -> str:
         return self.run("cat", path, check=False)
@@ -100,20 +99,29 @@ class Cluster:
                        "--output=/shared/slurm-%j.out", "/shared/rlmesh.sbatch", "/shared/run.yaml", run_dir, *overrides)
         return out.split()[-1]
 
-    def submit_with_secrets(self, secrets: dict[str, str], *sbatch_args: str) -> str:
+    def submit_with_secrets(self, values: dict[str, str], *sbatch_args: str) -> str:
         """`sbatch` from a shell that exported the run's secrets, as a user submits a job to be joined:
         the values reach the shell on stdin, never a command line or a file."""
-        names = list(secrets)
+        names = list(values)
         script = (" ".join(f"read -r {n};" for n in names) + f" export {' '.join(names)};"
                   ' exec env GLOO_SOCKET_IFNAME=eth0 "$@"')
         out = self.run("sh", "-c", script, "sh", "sbatch", *sbatch_args,
-                       stdin="".join(f"{secrets[n]}\n" for n in names))
+                       stdin="".join(f"{values[n]}\n" for n in names))
         return out.split()[-1]
 
     def generators(self, run_dir: str) -> list[set[str]]:
-        """The rollout servers whose groups each training step of the run trained on, in order."""
+        """The rollout servers whose groups each training step of the run trained on, in order (a last
+        line the learner is still writing is not a step yet)."""
         out = self.on_node("node1", "sh", "-c", f"cat {run_dir}/metrics.jsonl 2>/dev/null || true", user="10001")
-        return [set(json.loads(line)["groups_by_generator"]) for line in out.splitlines() if '"kind": "train"' in line]
+        steps = []
+        for line in out.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("kind") == "train":
+                steps.append(set(row["groups_by_generator"]))
+        return steps
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +185,9 @@ def slurm(rlmesh_images):
         # Job B on three nodes, with secrets the submitter exported so that it can be joined; cancelled
         # mid-run. Too many steps to finish before the checks below are done: it must still run when they
         # probe it. With JOIN, a join job adds a rollout server on node4 while it trains and leaves again.
-        secrets = {"RLMESH_TOKEN": uuid.uuid4().hex * 2, "RLMESH_QUEUE_PASSWORD": uuid.uuid4().hex * 2}
+        job_secrets = {"RLMESH_TOKEN": secrets.token_hex(32), "RLMESH_QUEUE_PASSWORD": secrets.token_hex(32)}
         job_b = events["job_b"] = c.submit_with_secrets(
-            secrets, "--nodes=3", "--output=/shared/slurm-%j.out", "/shared/rlmesh.sbatch", "/shared/run.yaml",
+            job_secrets, "--nodes=3", "--output=/shared/slurm-%j.out", "/shared/rlmesh.sbatch", "/shared/run.yaml",
             "/shared/runs/b", "learner.num_steps=100000", "checkpoint.every_n_steps=0",
             # The five containers share this host's 2 cores: with `auto` both rollout servers' vLLM workers
             # pinned core 0, and the joiner's, beside a busy one, got 8 s of CPU in its first 6 minutes.
@@ -187,7 +195,7 @@ def slurm(rlmesh_images):
         c.wait(lambda: c.train_steps("/shared/runs/b") >= 2, 600, "job B to train", job_b)
         stamp("job B trains")
         if JOIN:
-            _grow_job_b(c, job_b, secrets, events, stamp)
+            _grow_job_b(c, job_b, job_secrets, events, stamp)
         events["running_before_scancel"] = c.rlmesh_processes()
         events["secrets"] = _secrets_stay_in_the_environment(c)
         events["stranger"] = c.on_node("node4", "python3", "-c", STRANGER.format(port=events["secrets"]["valkey_port"]))
@@ -208,10 +216,10 @@ def slurm(rlmesh_images):
     return events
 
 
-def _grow_job_b(c: Cluster, job_b: str, secrets: dict[str, str], events: dict, stamp) -> None:
+def _grow_job_b(c: Cluster, job_b: str, job_secrets: dict[str, str], events: dict, stamp) -> None:
     """A join job adds a rollout server on node4 to job B; waits until job B trained groups of it."""
     join = events["join_job"] = c.submit_with_secrets(
-        secrets, "--nodes=1", "--output=/shared/slurm-%j.out", "/shared/rlmesh.sbatch", "--join", "/shared/runs/b")
+        job_secrets, "--nodes=1", "--output=/shared/slurm-%j.out", "/shared/rlmesh.sbatch", "--join", "/shared/runs/b")
     joined_at = time.monotonic()
     joiner = f"node4-0-j{join}"
     c.wait(lambda: any(joiner in g for g in c.generators("/shared/runs/b")), 600,
