@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--every", type=float, default=2.0, help="seconds between redraws")
     status.add_argument("--timeout", type=float, default=2.0, help="seconds each health or status call may take")
 
+    from rlmesh.venvs import add_parser as add_venv_parser
+
+    add_venv_parser(sub)
     tls = sub.add_parser("tls-init", help="write a throw-away CA and a certificate per tier for mutual TLS "
                                           "(network.tls.*_file with {tier})")
     tls.add_argument("--output", required=True, help="directory for ca.crt, <tier>.crt and <tier>.key")
@@ -173,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         return _health(args)
     if args.command == "tls-init":
         return _tls_init(args)
+    if args.command == "venv":
+        from rlmesh.venvs import run as run_venv
+
+        return run_venv(args)
     if args.command == "status":
         from rlmesh.status import run_status
 

@@ -25,6 +25,7 @@ class Service:
     log_path: Path
     argv: list[str]
     launcher: list[str] | None = None
+    python: str | None = None  # the interpreter (of another virtualenv); None: this one
     restarts: int = 0
     restart_at: float | None = None  # when a crashed service is due to be started again
 
@@ -44,19 +45,21 @@ class Mesh:
         self.valkey = None
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, argv: list[str], launcher: list[str] | None = None) -> Service:
+    def spawn(self, name: str, argv: list[str], launcher: list[str] | None = None,
+              python: str | None = None) -> Service:
+        """Start `rlmesh ARGV` (with `python`, an interpreter of another virtualenv, when given)."""
         log_path = self.run_dir / "logs" / f"{name}.log"
         # Own session: stopping the service's process group also stops its children (vLLM's engine,
         # torchrun's ranks).
-        svc = Service(name, self._popen(argv, launcher, log_path, self.env), log_path, argv, launcher)
+        svc = Service(name, self._popen(argv, launcher, log_path, self.env, python), log_path, argv, launcher, python)
         self.services.append(svc)
         log.info("started %s (pid %d), log: %s", name, svc.proc.pid, log_path)
         return svc
 
     @staticmethod
     def _popen(argv: list[str], launcher: list[str] | None, log_path: Path,
-               env: dict[str, str] | None) -> subprocess.Popen:
-        cmd = [sys.executable, *(launcher or []), "-m", "rlmesh.cli", *argv]
+               env: dict[str, str] | None, python: str | None = None) -> subprocess.Popen:
+        cmd = [python or sys.executable, *(launcher or []), "-m", "rlmesh.cli", *argv]
         return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=os.getcwd(), env={**os.environ, **env} if env else None)
 
@@ -64,7 +67,7 @@ class Mesh:
         signal_group(svc.proc, signal.SIGKILL)  # whatever the dead service left behind (vLLM's engine)
         svc.restarts += 1
         svc.restart_at = None
-        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path, self.env)
+        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path, self.env, svc.python)
         log.warning("restarted %s (pid %d, restart %d)", svc.name, svc.proc.pid, svc.restarts)
 
     def stop(self, grace_s: float = 10.0) -> None:

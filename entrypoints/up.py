@@ -136,14 +136,19 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
         env_config.reward.remote, env_config.reward.env_processes = {}, []
         dump_config(env_config, run_dir / "config.env.yaml")
         resolved.reward.remote = {**resolved.reward.remote, **{name: f"{host}:{p}" for name, p in env_ports.items()}}
+    hubs = _hub_servers(resolved, run_dir)
     resolved_path = run_dir / "config.resolved.yaml"
     dump_config(resolved, resolved_path)
     base = ["-c", str(resolved_path)]
 
     for name, port in env_ports.items():
         mesh.spawn(f"env-{name}", ["reward", "-c", str(run_dir / "config.env.yaml"), "--port", str(port)])
+    for name, (python, port) in hubs.items():
+        mesh.spawn(f"env-{name}", ["reward", "-c", str(run_dir / f"config.env-{name}.yaml"), "--port", str(port)],
+                   python=python)
     # Serving before the main reward server registers them, so it learns what they serve.
-    _wait_serving(mesh, config.network, {f"env-{n}": p for n, p in env_ports.items()})
+    _wait_serving(mesh, config.network, {f"env-{n}": p for n, p in {**env_ports, **{
+        n: port for n, (_, port) in hubs.items()}}.items()})
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
 
     def spawn_rollouts(extra: list[str]) -> None:
@@ -164,6 +169,26 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     _wait_serving(mesh, config.network, {"reward": reward_port, "learner": learner_port})
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
     return _watch(mesh, learner, config, run_dir, on_row, metrics)
+
+
+def _hub_servers(resolved: RunConfig, run_dir: Path) -> dict[str, tuple[str, int]]:
+    """The environments that run in an interpreter of their own (`reward.verifiers.NAME.python`, a
+    virtualenv with `verifiers` and the environment's package): each gets an environment server started
+    with that interpreter (its config written beside the run's), and the main reward server proxies it
+    (`resolved.reward.remote` updated). Returns {name: (python, port)}."""
+    hubs = {}
+    for name, hub in resolved.reward.verifiers.items():
+        if hub.python is None or name in resolved.reward.remote:
+            continue
+        port = free_port()
+        own = resolved.model_copy(deep=True)
+        own.reward.remote, own.reward.env_processes, own.reward.functions = {}, [], {}
+        own.reward.mcp, own.reward.openenv, own.reward.judge, own.reward.code, own.reward.agents = {}, {}, {}, {}, {}
+        own.reward.verifiers = {name: hub.model_copy(update={"python": None})}
+        dump_config(own, run_dir / f"config.env-{name}.yaml")
+        resolved.reward.remote = {**resolved.reward.remote, name: f"{resolved.network.host}:{port}"}
+        hubs[name] = (hub.python, port)
+    return hubs
 
 
 def _wait_prepared(mesh: Mesh, prep: Service, config: RunConfig, done: Callable[[], bool], what: str) -> None:

@@ -104,7 +104,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     weights = WeightSource(trainer.weight_metas, trainer.stream_weights)
     membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s, tls=tls)
 
-    train_set, eval_set = load_dataset(cfg.data, cfg.run.seed)
+    train_set, eval_set = load_dataset(cfg.data, cfg.run.seed, cfg.reward)
     issuer = PromptIssuer(prompts, run_id, train_set, group_size=cfg.algorithm.group_size,
                           groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.algorithm.max_staleness)
     issuer.earlier_run_ids = note_run_id(run_dir, run_id)

@@ -74,6 +74,10 @@ async def serve(config: RunConfig, port: int) -> None:
         service.add_local("math", MathEnvironment(**section.math.model_dump()))
     for name, env in section.openenv.items():
         service.add_local(name, OpenEnvEnvironment(name, env.url, **env.model_dump(exclude={"url"})))
+    for name, hub in _local(section.verifiers, section.remote):
+        from rlmesh.reward_server.environments.verifiers_env import make_environment
+
+        service.add_local(name, make_environment(name, hub.env_id, hub.args, hub.timeout_s))
     for name, address in section.remote.items():
         await service.register_remote(name, address)
     server = await start_server(

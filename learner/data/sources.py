@@ -1,16 +1,20 @@
 """Prompt datasets: generated arithmetic problems, JSONL files, anything Hugging Face `datasets`
-reads (`rlmesh.learner.data.hf`), a reasoning-gym dataset (`rlmesh.learner.data.reasoning_gym`) or
-a TextArena game's seeds, as `Example`s in a training order (`rlmesh.learner.data.examples`)."""
+reads (`rlmesh.learner.data.hf`), a reasoning-gym dataset (`rlmesh.learner.data.reasoning_gym`), a
+TextArena game's seeds or a `verifiers` environment's dataset, as `Example`s in a training order
+(`rlmesh.learner.data.examples`)."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from rlmesh.learner.data.examples import Example, TrainData, TrainOrder, assistant_turn
 from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
-                                    JsonlDataSection, ReasoningGymDataSection, TextArenaDataSection)
+                                    JsonlDataSection, ReasoningGymDataSection, RewardSection, TextArenaDataSection,
+                                    VerifiersDataSection)
 from rlmesh.services.domain.tasks import ADD_TOOL, calculator_prompt
 
 
@@ -80,6 +84,39 @@ def _textarena(cfg: TextArenaDataSection, seed: int) -> tuple[list[Example], lis
     return examples[cfg.num_eval:], examples[: cfg.num_eval]
 
 
+def _verifiers(cfg: VerifiersDataSection, reward: RewardSection, seed: int) -> tuple[list[Example], list[Example]]:
+    """The environment's own dataset, read by the interpreter that hosts the environment (its
+    virtualenv has `verifiers` and the package; this one need not): the rows
+    `rlmesh.reward_server.environments.verifiers_env` prints."""
+    if cfg.env_name not in reward.verifiers:
+        raise ValueError(f"data.env_name={cfg.env_name!r} names no environment of reward.verifiers "
+                         f"({sorted(reward.verifiers) or 'none'})")
+    env = reward.verifiers[cfg.env_name]
+    spec = {"env_id": env.env_id, "args": env.args, "num_train": cfg.num_train, "num_eval": cfg.num_eval,
+            "seed": seed if cfg.seed is None else cfg.seed}
+    python = env.python or sys.executable
+    try:
+        out = subprocess.run([python, "-m", "rlmesh.reward_server.environments.verifiers_env", "rows", json.dumps(spec)],
+                             capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ValueError(f"data: cannot read the dataset of verifiers environment {env.env_id!r} with {python}: "
+                         f"{err}") from err
+    if out.returncode != 0:
+        raise ValueError(f"data: reading the dataset of verifiers environment {env.env_id!r} with {python} failed "
+                         f"(exit {out.returncode}):\n{out.stderr.strip()[-2000:]}")
+    split: dict[str, list[Example]] = {"train": [], "eval": []}
+    for line in out.stdout.splitlines():
+        row = json.loads(line)
+        metadata = {"answer": row["answer"], "info": row["info"], "example_id": row["example_id"],
+                    **({"task": row["task"]} if "task" in row else {})}
+        split[row["split"]].append(Example(id=f"{cfg.env_name}-{row['split']}-{row['example_id']}",
+                                           messages=row["prompt"], env=cfg.env_name, metadata=metadata))
+    if not split["train"] or not split["eval"]:
+        raise ValueError(f"data: verifiers environment {env.env_id!r} gave {len(split['train'])} training and "
+                         f"{len(split['eval'])} held-out prompts; its dataset needs more rows than data.num_eval")
+    return split["train"], split["eval"]
+
+
 def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
@@ -114,9 +151,10 @@ def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
     return out
 
 
-def load_dataset(cfg: DataSection, seed: int) -> tuple[TrainData, list[Example]]:
+def load_dataset(cfg: DataSection, seed: int, reward: RewardSection | None = None) -> tuple[TrainData, list[Example]]:
     """(train, eval) examples; the built-in kinds and JSONL files keep their order (a TrainOrder
-    without shuffling), `data.type: hf` shuffles per epoch unless `data.shuffle=false`."""
+    without shuffling), `data.type: hf` shuffles per epoch unless `data.shuffle=false`. `reward`
+    (the run's reward section) names the environment a `data.type: verifiers` dataset comes from."""
     if isinstance(cfg, HFDataSection):
         from rlmesh.learner.data.hf import load_hf
 
@@ -131,6 +169,8 @@ def load_dataset(cfg: DataSection, seed: int) -> tuple[TrainData, list[Example]]
         train, evals = load_reasoning_gym(cfg, seed)
     elif isinstance(cfg, TextArenaDataSection):
         train, evals = _textarena(cfg, seed)
+    elif isinstance(cfg, VerifiersDataSection):
+        train, evals = _verifiers(cfg, reward or RewardSection(), seed)
     else:
         train, evals = _jsonl(cfg.train_path, cfg), _jsonl(cfg.eval_path, cfg)
     return TrainOrder(train), evals

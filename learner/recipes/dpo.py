@@ -105,7 +105,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
     if config.learner.micro_batch_size % 2:
         raise ValueError(f"learner.micro_batch_size={config.learner.micro_batch_size}: DPO keeps each (chosen, rejected) "
                          "pair in one micro-batch, so it must be even")
-    train_data, eval_set = load_dataset(config.data, config.run.seed)
+    train_data, eval_set = load_dataset(config.data, config.run.seed, config.reward)
     if not isinstance(train_data, TrainOrder):
         raise ValueError("rlmesh dpo computes the reference logprobs of every training pair before its first step, "
                          "so it needs the pairs in memory: set data.streaming=false")

@@ -44,7 +44,7 @@ def run_sft(config: RunConfig, output: str | Path, *, show_progress: bool | None
     full = config.model_copy(update={"learner": config.learner.model_copy(update={"lora": LoRASection()})})
     trainer = Trainer(full, model_dir, objective, lr=config.sft.lr, pad_id=tokenizer.pad_token_id,
                       threads=config.sft.torch_threads)
-    train, _ = load_dataset(config.data, config.run.seed)
+    train, _ = load_dataset(config.data, config.run.seed, config.reward)
     metrics = stage_metrics(config, output.parent, "sft", "sft_metrics.jsonl")
     try:
         train_offline(trainer, train, rng, config.sft, output=output, tokenizer=tokenizer, source_dir=model_dir,

@@ -10,7 +10,8 @@ from __future__ import annotations
 from rlmesh.services.config.base import Section
 from rlmesh.services.config.model_data import (
     RunSection, TinyModelSection, HFModelSection, ModelSection, ArithmeticDataSection, JsonlDataSection,
-    CalculatorDataSection, HFDataSection, ReasoningGymDataSection, TextArenaDataSection, DataSection,
+    CalculatorDataSection, HFDataSection, ReasoningGymDataSection, TextArenaDataSection, VerifiersDataSection,
+    DataSection,
 )
 from rlmesh.services.config.prompt import PromptSection
 from rlmesh.services.config.rollout import (
@@ -18,7 +19,7 @@ from rlmesh.services.config.rollout import (
 )
 from rlmesh.services.config.reward import (
     McpEnvironmentSection, CodeEnvironmentSection, JudgeEnvironmentSection, OpenEnvEnvironmentSection,
-    MathEnvironmentSection, RewardSection,
+    MathEnvironmentSection, VerifiersEnvironmentSection, RewardSection,
 )
 from rlmesh.services.config.training import (
     LoRASection, StallSection, FSDP2BackendSection, MegatronBackendSection, BackendSection, LearnerSection, SFTSection,
@@ -34,9 +35,9 @@ from rlmesh.services.config.run_config import (
 
 __all__ = [
     "Section", "RunSection", "TinyModelSection", "HFModelSection", "ModelSection", "ArithmeticDataSection",
-    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "ReasoningGymDataSection", "TextArenaDataSection", "DataSection", "PromptSection", "EpisodeSection", "AgentEndpointSection",
+    "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "ReasoningGymDataSection", "TextArenaDataSection", "VerifiersDataSection", "DataSection", "PromptSection", "EpisodeSection", "AgentEndpointSection",
     "RolloutSection", "McpEnvironmentSection", "CodeEnvironmentSection", "JudgeEnvironmentSection",
-    "OpenEnvEnvironmentSection", "MathEnvironmentSection", "RewardSection", "LoRASection", "StallSection",
+    "OpenEnvEnvironmentSection", "MathEnvironmentSection", "VerifiersEnvironmentSection", "RewardSection", "LoRASection", "StallSection",
     "FSDP2BackendSection", "MegatronBackendSection", "BackendSection", "LearnerSection", "SFTSection",
     "DPOSection", "OffPolicySection", "KLSection", "CreditSection", "AlgorithmSection", "CheckpointSection", "QueueSection",
     "WeightSyncSection", "TLSSection", "LimitsSection", "NetworkSection", "LoggingSection", "RunConfig",

@@ -221,8 +221,21 @@ class TextArenaDataSection(Section):
     """Environment that plays these episodes."""
 
 
+class VerifiersDataSection(Section):
+    type: Literal["verifiers"] = "verifiers"
+    """Prompts from a `verifiers` environment's own dataset, played or scored by that environment (`reward.verifiers.ENV_NAME`)."""
+    env_name: str
+    """The environment (a key of reward.verifiers) whose dataset this is and which serves these prompts."""
+    num_train: int = Field(1000, gt=0)
+    """Training prompts (at most what the dataset has)."""
+    num_eval: int = Field(50, gt=0)
+    """Held-out prompts: from the environment's eval dataset, or, where it has none, the first of its shuffled dataset (never trained on)."""
+    seed: int | None = None
+    """Shuffle seed of the dataset (unset: run.seed)."""
+
+
 DataSection = Annotated[
     Union[ArithmeticDataSection, JsonlDataSection, CalculatorDataSection, HFDataSection, ReasoningGymDataSection,
-          TextArenaDataSection],
+          TextArenaDataSection, VerifiersDataSection],
     Field(discriminator="type"),
 ]

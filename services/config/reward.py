@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from rlmesh.services.config.base import Section
@@ -122,6 +124,17 @@ class OpenEnvEnvironmentSection(Section):
     """Deadline of one call to the server (connect + reset, one step)."""
 
 
+class VerifiersEnvironmentSection(Section):
+    env_id: str
+    """What `verifiers.load_environment` takes: the environment's id as its package installs it (e.g. `sophistry-bench-sprint`), or a module with a `load_environment`."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the environment's `load_environment`."""
+    python: str | None = None
+    """Interpreter of the environment's own virtualenv (`rlmesh venv --output DIR verifiers==0.3.1 PACKAGE`: DIR/bin/python); `rlmesh up` serves the environment from an environment server it starts with it. Unset: this interpreter hosts it (verifiers installed beside rlmesh)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one call into the environment (scoring a batch, starting an episode, one step)."""
+
+
 class MathEnvironmentSection(Section):
     timeout_s: float = Field(5.0, gt=0)
     """Longest one answer's math-verify check may take; past it its worker process is killed and replaced, and the item scores 0 with a `timeout` component."""
@@ -168,6 +181,8 @@ class RewardSection(Section):
     """Code environments: name -> sandbox limits; the model's Python is run against metadata tests, reward = pass rate."""
     judge: dict[str, JudgeEnvironmentSection] = {}
     """LLM-judge environments: name -> OpenAI-compatible endpoint, model, rubric, score parsing, concurrency, timeouts."""
+    verifiers: dict[str, VerifiersEnvironmentSection] = {}
+    """`verifiers` environments (Prime Intellect's Environments Hub, classic API), unchanged: name -> env_id, its arguments, the interpreter of its virtualenv (docs/environments.md)."""
     allow_register: bool = False
     """Accept `RegisterEnvironment` calls (environments added at run time by any authenticated caller); off: only the configured environments are served."""
     max_score_items: int = Field(4096, ge=1)

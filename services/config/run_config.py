@@ -99,6 +99,10 @@ class RunConfig(Section):
                 f"learner.lora.rank={self.learner.lora.rank} needs the fsdp2 backend: LoRA through peft is not built "
                 f"for learner.backend.type={self.learner.backend.type}; use learner.backend.type=fsdp2 or "
                 "learner.lora.rank=0")
+        if self.data.type == "verifiers" and self.data.env_name not in self.reward.verifiers:
+            raise ValueError(
+                f"data.env_name={self.data.env_name!r} names no verifiers environment: reward.verifiers has "
+                f"{sorted(self.reward.verifiers) or 'none'}; add reward.verifiers.{self.data.env_name}.env_id")
         if self.learner.lora.rank and self.weight_sync.backend != "gloo":
             raise ValueError(
                 f"learner.lora.rank={self.learner.lora.rank} ships adapters through rlmesh's gloo weight engine; "

@@ -43,9 +43,12 @@ pytestmark = [pytest.mark.containers, pytest.mark.timeout(3000)]
 REPO = Path(__file__).resolve().parents[2]
 STACK = REPO / "deploy/docker/stack.sh"
 PROJECT = "rlmesh-test"
-MAX_STEPS, GROUPS_PER_STEP = 100, 32
+MAX_STEPS, GROUPS_PER_STEP = 1000, 32
 """learner.num_steps is only a bound: the test asks the learner to stop (the stop request `rlmesh.train`'s
-callbacks use) once the events below are done, however long this machine takes to start vLLM."""
+callbacks use) once the events below are done, however long this machine takes to start vLLM. The learner
+trains ~1 step a second on the first rollout server alone, and the joined one's vLLM start (its sampler's
+compile on the core the busy one's worker holds) took 5.5 to 7+ minutes here (2026-12-02): with 100, and
+then 250, the run ended before the joiner had a group trained."""
 SCALE_UP_AT = 2
 """Steps trained with one rollout and one reward server before both services are scaled to REPLICAS."""
 REPLICAS = 2
@@ -99,10 +102,11 @@ class Stack:
         self.compose("up", "-d", "--no-build", "--no-deps", "--no-recreate", "--scale", f"rollout={rollout}",
                      "--scale", f"reward={reward}", "rollout", "reward", timeout=600)
 
-    def docker(self, *args: str, check: bool = True, timeout: float = 120) -> str:
+    def docker(self, *args: str, check: bool = True, timeout: float = 120, stderr: bool = False) -> str:
+        """What `docker ARGS` printed (with its stderr after its stdout when `stderr`)."""
         out = subprocess.run([DOCKER, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
         assert not check or out.returncode == 0, f"docker {' '.join(args)} failed:\n{out.stderr}"
-        return out.stdout
+        return out.stdout + out.stderr if stderr else out.stdout
 
     def containers(self, service: str | None = None, every: bool = True) -> list[str]:
         filters = ["--filter", f"label=com.docker.compose.project={PROJECT}"]
@@ -169,7 +173,10 @@ class Stack:
         states = self.docker("ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}",
                              "--format", "{{.Names}}\t{{.Status}}", check=False)
         learner = self.compose("logs", "--no-color", "--tail", "30", "learner")[-3000:]
-        return f"{states}\n{learner}\n" + self.compose("logs", "--no-color", "--tail", "15")[-5000:]
+        # Each rollout server's own tail: a joiner that waits (on DNS, on vLLM, on the learner) says so.
+        rollouts = "\n".join(self.docker("logs", "--tail", "12", c, check=False, stderr=True)[-2000:]
+                              for c in self.containers("rollout"))
+        return f"{states}\n{learner}\n{rollouts}\n" + self.compose("logs", "--no-color", "--tail", "10")[-3000:]
 def _processes_in(container_ids: set[str]) -> list[int]:
     """Host processes still inside any of these containers' cgroups."""
     left = []
@@ -221,7 +228,7 @@ def run(tmp_path_factory, rlmesh_images):
     config = yaml.safe_load((REPO / "deploy/compose.rlmesh.yaml").read_text())
     config["learner"].update(num_steps=MAX_STEPS, groups_per_step=GROUPS_PER_STEP, eval_every=0, min_generators=1)
     config["data"]["num_eval"] = 50  # held-out accuracy before and after, on more than the demo's 20 prompts
-    config["learner"]["lr"] = 3.0e-4  # decaying over MAX_STEPS: a run of 60+ steps at the demo's 5e-4 unlearned
+    config["learner"]["lr"] = 3.0e-4  # the demo's 5e-4 unlearned over 60+ steps; decays over MAX_STEPS (a bound)
     # Each server takes at most a quarter of the (k + 1) * B = 64 groups outstanding: the work spreads
     # over the replicas (and a leaver holds some) instead of the first reader taking it all.
     config["rollout"]["max_concurrent_groups"] = 16
@@ -314,7 +321,7 @@ def _grow(stack: Stack, learner: str, first: str, events: dict) -> None:
           f"{REPLICAS} reward replicas", stack)
     events["all_serving"] = time.time() + 15  # from here to the scale-down, every reward replica serves
     producers = lambda: {g for r in stack.train_rows(learner) for g in r["groups_by_generator"]}  # noqa: E731
-    _wait(lambda: joiners <= producers(), 600, f"trained groups from every joined rollout server {joiners}", stack)
+    _wait(lambda: joiners <= producers(), 1200, f"trained groups from every joined rollout server {joiners}", stack)
     # Scrape every 5 s, DNS discovery every 15 s: every tier (every replica) up within a minute.
     want = sorted([("learner", 1.0)] + [("reward", 1.0)] * REPLICAS + [("rollout", 1.0)] * REPLICAS)
     deadline = time.monotonic() + 90

@@ -224,7 +224,9 @@ async def test_session_ids_are_checked(mesh, servers):
 @pytest.mark.asyncio(loop_scope="session")
 async def test_a_hung_function_does_not_stop_other_calls(mesh):
     stub, _ = mesh
-    # Four hanging items against two workers: two run and time out, two find no free worker.
+    # Four hanging items against two workers: two run and time out; the other two wait for a free worker
+    # until their own deadline, and either find none or get a replacement of a killed one (which hangs
+    # too): when the scheduler starts them late on busy cores (CI, 2026-12-02: three timed out).
     hung = asyncio.ensure_future(stub.Score(reward_pb2.ScoreRequest(items=[
         _item(f"h{i}", "sleepy", "hang", sleep_s=3.0) for i in range(4)])))
     await asyncio.sleep(0.1)
@@ -235,8 +237,8 @@ async def test_a_hung_function_does_not_stop_other_calls(mesh):
     assert time.monotonic() - t0 < 0.4, "other environments are served while sleepy hangs"
     errors = [r.error for r in (await hung).results]
     assert time.monotonic() - t0 < 2.0
-    assert sum("did not return within 0.5s" in e for e in errors) == 2
-    assert sum("no free worker" in e for e in errors) == 2
+    timed_out = sum("did not return within 0.5s" in e for e in errors)
+    assert timed_out >= 2 and timed_out + sum("no free worker" in e for e in errors) == 4, errors
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -1,0 +1,48 @@
+"""A `verifiers` environment through `rlmesh up`: the environment (tests/integration/verifiers_envs.py's
+higher-or-lower game, a classic `MultiTurnEnv`) lives in a virtualenv of its own made by `rlmesh
+venv` (tests/integration/test_verifiers.py's), named by `reward.verifiers.game.python`; `rlmesh up`
+starts an environment server with that interpreter, the learner reads the game's own dataset with it,
+and the tiny random model plays multi-turn episodes through the rollout server for a few GRPO steps.
+It is not expected to learn in three steps; every episode must end cleanly and be trained on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.e2e.test_mesh import REPO, Up
+from tests.integration.test_verifiers import python  # noqa: F401  (the virtualenv fixture)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(600)
+def test_rlmesh_up_trains_on_a_verifiers_environment_in_its_own_virtualenv(tmp_path, python):  # noqa: F811
+    run_dir = tmp_path / "run"
+    config = yaml.safe_load((REPO / "examples" / "arithmetic_grpo.yaml").read_text())
+    config["data"] = {"type": "verifiers", "env_name": "game", "num_train": 40, "num_eval": 4}
+    config["reward"] = {"verifiers": {"game": {"env_id": "tests.integration.verifiers_envs",
+                                               "args": {"kind": "digits"}, "python": str(python)}}}
+    (tmp_path / "game.yaml").write_text(yaml.safe_dump(config))
+    up = Up(run_dir, "sft.num_steps=0", "rollout.max_tokens=4", "rollout.episode.max_turns=3",
+            "algorithm.group_size=4", "learner.groups_per_step=4", "learner.num_steps=3", "learner.eval_every=0",
+            "checkpoint.every_n_steps=0", config=str(tmp_path / "game.yaml"))
+    code = up.finish(timeout=500)
+    assert code == 0, up.output()[-4000:]
+    assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["version"] for r in train] == [1, 2, 3]
+    assert sum(r["num_failed_samples"] for r in train) == 0, "an episode failed"
+    assert all(r["num_samples"] == 16 for r in train)
+    # Multi-turn: the game answered the policy before the episode ended.
+    assert max(r["turns_mean"] for r in train) > 1.0, train
+    # The environment server ran with the virtualenv's interpreter, and served the game.
+    env_log = (run_dir / "logs" / "env-game.log").read_text()
+    assert "environments: game" in env_log, env_log[-2000:]
+    resolved = (run_dir / "config.resolved.yaml").read_text()
+    assert "game: 127.0.0.1:" in resolved  # the main reward server proxies it
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["last_weights_sha256"] == summary["learner_weights_sha256"]
