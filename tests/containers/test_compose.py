@@ -43,14 +43,13 @@ pytestmark = [pytest.mark.containers, pytest.mark.timeout(3000)]
 REPO = Path(__file__).resolve().parents[2]
 STACK = REPO / "deploy/docker/stack.sh"
 PROJECT = "rlmesh-test"
-MAX_STEPS, GROUPS_PER_STEP = 1000, 32
+MAX_STEPS, GROUPS_PER_STEP = 300, 32
 """learner.num_steps is only a bound: the test asks the learner to stop (the stop request `rlmesh.train`'s
-callbacks use) once the events below are done, however long this machine takes to start vLLM. The learner
-trains ~1 step a second on the first rollout server alone, and the joined one's vLLM start (its sampler's
-compile on the core the busy one's worker holds) took 5.5 to 7+ minutes here (2026-12-02): with 100, and
-then 250, the run ended before the joiner had a group trained."""
+callbacks use) once the events below are done, however long this machine takes to start vLLM (the learner
+trains ~1 step a second on one rollout server; with a bound of 100 a run once ended, in CI, before a
+joiner started beside the busy server had a group trained: see _scale_up)."""
 SCALE_UP_AT = 2
-"""Steps trained with one rollout and one reward server before both services are scaled to REPLICAS."""
+"""Steps trained with one rollout and one reward server before both are crashed and scaled to REPLICAS."""
 REPLICAS = 2
 """Rollout and reward servers while the stack is grown: two of each. Three of each (docs/deployment.md's
 timeline) took ~30 minutes on this 2-core, 24 GB machine, and once in CI its joiners never reached the learner."""
@@ -246,9 +245,10 @@ def run(tmp_path_factory, rlmesh_images):
         learner = stack.containers("learner")[0]
         first = stack.containers("rollout")[0]
         _wait(lambda: len(stack.train_rows(learner)) >= SCALE_UP_AT, 900, f"{SCALE_UP_AT} training steps", stack)
-        _crash_and_recover(stack, learner, events)
+        # The replicas are added while the crashed ones restart (see _scale_up), then the run trains on both.
+        _crash_and_recover(stack, learner, events, meanwhile=lambda: _scale_up(stack, learner, first, events))
         events["first_rollout"] = stack.generator_id(first)
-        _grow(stack, learner, first, events)
+        _grow(stack, learner, events)
         _restart_valkey(stack, learner, events)
         _shrink(stack, learner, events)
         done = events["scaled_down"]["step"] + STEPS_AFTER_SCALE_DOWN
@@ -291,14 +291,15 @@ def _logs(stack: Stack, container: str, since: float) -> str:
     return out.stdout + out.stderr
 
 
-def _crash_and_recover(stack: Stack, learner: str, events: dict) -> None:
-    """Crash the rollout and reward containers (one of each yet: the run waits for them) and wait
-    until the engine has restarted them and they serve again."""
+def _crash_and_recover(stack: Stack, learner: str, events: dict, meanwhile=lambda: None) -> None:
+    """Crash the rollout and reward containers (one of each yet: the run waits for them), do
+    `meanwhile`, and wait until the engine has restarted them and they serve again."""
     crashed = [stack.containers("rollout")[0], stack.containers("reward")[0]]
     events["crashed_at"] = time.time()
     for name, container in zip(("rollout", "reward"), crashed):
         stack.crash(container)
         events[f"{name}_crashed_at_step"] = len(stack.train_rows(learner))
+    meanwhile()
     _wait(lambda: all(int(stack.inspect(c, "{{.RestartCount}}")) >= 1 and
                       stack.inspect(c, "{{.State.Health.Status}}") == "healthy" for c in crashed),
           600, "the crashed containers to be restarted and healthy", stack)
@@ -307,21 +308,28 @@ def _crash_and_recover(stack: Stack, learner: str, events: dict) -> None:
     events["restarted_healthy_s"] = time.time() - events["crashed_at"]
 
 
-def _grow(stack: Stack, learner: str, first: str, events: dict) -> None:
-    """Rollout and reward 1 -> REPLICAS; wait until every joined rollout server's groups are trained and
-    Prometheus scrapes every replica."""
+def _scale_up(stack: Stack, learner: str, first: str, events: dict) -> None:
+    """Rollout and reward 1 -> REPLICAS, as an operator scales a running stack. It runs while the
+    crashed replicas restart: a vLLM start beside a busy vLLM worker, on this 2-core machine, waited
+    7 to 9 minutes for the core that worker holds (both bind core 0 under rollout.cpu_cores=auto;
+    its process got ~3% of it), so the learner trained 400 steps on the first server before the second
+    served (2026-12-02). On hosts with cores to spare, or a node of its own, a joiner starts in ~45 s."""
     t0 = time.time()
     stack.scale(rollout=REPLICAS, reward=REPLICAS)
     events["scaled_up"] = {"time": t0, "step": len(stack.train_rows(learner)), "command_s": time.time() - t0}
-    joiners = {stack.generator_id(c) for c in stack.containers("rollout") if c != first}
-    events["scaled_up"]["joiners"] = sorted(joiners)
+    events["scaled_up"]["joiners"] = sorted(stack.generator_id(c) for c in stack.containers("rollout") if c != first)
+
+
+def _grow(stack: Stack, learner: str, events: dict) -> None:
+    """Wait until every joined rollout server's groups are trained and Prometheus scrapes every replica."""
+    joiners = set(events["scaled_up"]["joiners"])
     # Reward servers start in seconds: once Prometheus finds them all (DNS discovery every 15 s), every
     # rollout server has them too within a connection age (10 s) and a resolve (5 s).
     _wait(lambda: stack.scraped().get("up", []).count(("reward", 1.0)) == REPLICAS, 120,
           f"{REPLICAS} reward replicas", stack)
     events["all_serving"] = time.time() + 15  # from here to the scale-down, every reward replica serves
     producers = lambda: {g for r in stack.train_rows(learner) for g in r["groups_by_generator"]}  # noqa: E731
-    _wait(lambda: joiners <= producers(), 1200, f"trained groups from every joined rollout server {joiners}", stack)
+    _wait(lambda: joiners <= producers(), 900, f"trained groups from every joined rollout server {joiners}", stack)
     # Scrape every 5 s, DNS discovery every 15 s: every tier (every replica) up within a minute.
     want = sorted([("learner", 1.0)] + [("reward", 1.0)] * REPLICAS + [("rollout", 1.0)] * REPLICAS)
     deadline = time.monotonic() + 90
