@@ -93,6 +93,9 @@ async def serve(config: RunConfig, port: int) -> None:
     function_health = asyncio.create_task(report_function_health(service, server), name="function-health")
     log.info("reward server on port %d (replica %s); environments: %s", server.port, service.sessions.replica,
              ", ".join(e.name for e in service.environments()))
+    for env in service.environments():  # what each one is: its kind, and what loaded it (or where it is served)
+        log.info("  %s: %s, %s", env.name, env.kind, env.remote_address and f"served by {env.remote_address}"
+                 or env.description)
     await server.serve_forever(grace_s=5.0)
     reaper.cancel()
     function_health.cancel()

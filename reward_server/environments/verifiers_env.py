@@ -219,7 +219,11 @@ class VerifiersEpisodes:
             client = self.client_class()
             rollout = asyncio.ensure_future(self.env.rollout(_row(metadata, prompt), client, MODEL, {}))
             episode = Episode(client, rollout, seen=len(prompt))
-            observation = await self._advance(episode)
+            try:
+                observation = await self._advance(episode)
+            except BaseException:  # a failed or timed-out start leaves no rollout waiting for a model call
+                rollout.cancel()
+                raise
             if episode.done:
                 raise ValueError(f"verifiers environment {self.env_id} ended its episode before the model's first "
                                  f"turn (stop condition {episode.state.get('stop_condition')!r}"

@@ -366,12 +366,21 @@ def _restart_valkey(stack: Stack, learner: str, events: dict) -> None:
 def _shrink(stack: Stack, learner: str, events: dict) -> None:
     """Rollout and reward REPLICAS -> 1; which prompts the leaving rollout servers held (pending on them just
     before and just after they left), and each reward replica's Score calls while all of them served."""
+    rollouts = {c: stack.generator_id(c) for c in stack.containers("rollout", every=False)}
+    # Scaled down while every server holds prompts, so that a leaver's are given back (right after the
+    # Valkey restart one held none once: 2026-12-02).
+    seen: dict = {}
+
+    def holding() -> bool:
+        seen["held"] = stack.queue(next(iter(rollouts)), HELD)
+        return all(seen["held"].get(gid) for gid in rollouts.values())
+
+    _wait(holding, 180, "every rollout server to hold prompt groups", stack)
+    held_before = seen["held"]  # groups a server finishes before it is gone count as given back too
     t0 = time.time()
+    stack.scale(rollout=1, reward=1)
     events["score_calls"] = stack.score_calls(events["all_serving"], t0)
     events["score_calls_since_scale_up"] = stack.score_calls(events["scaled_up"]["time"], t0)
-    rollouts = {c: stack.generator_id(c) for c in stack.containers("rollout", every=False)}
-    held_before = stack.queue(next(iter(rollouts)), HELD)
-    stack.scale(rollout=1, reward=1)
     stayed = stack.containers("rollout")
     assert len(stayed) == 1 and len(stack.containers("reward")) == 1, "scaled down to one of each"
     leavers = {gid for c, gid in rollouts.items() if c not in stayed}
@@ -381,7 +390,9 @@ def _shrink(stack: Stack, learner: str, events: dict) -> None:
     left_pending = sorted({g for who, groups in held_after.items() if who in leavers for g in groups})
     events["scaled_down"] = {"time": t0, "step": len(stack.train_rows(learner)), "command_s": time.time() - t0,
                              "leavers": sorted(leavers), "survivor": stayed[0], "held": held,
-                             "left_pending": left_pending}
+                             "left_pending": left_pending,
+                             "pending_by_server": {"before": {k: len(v) for k, v in held_before.items()},
+                                                   "after": {k: len(v) for k, v in held_after.items()}}}
 
 
 def _run_follow_ups() -> dict[str, tuple[int, str]]:
@@ -527,7 +538,7 @@ def test_rollout_and_reward_grow_and_shrink_while_training(run, capsys):
     # as connections age out): at least half of an equal share each.
     assert len(calls) == REPLICAS and all(share >= 0.5 / REPLICAS for share in shares.values()), shares
     down = run["scaled_down"]
-    assert down["held"] and down["held_back"] == down["held"], "a prompt a leaving rollout server held never came back"
+    assert down["held"] and down["held_back"] == down["held"], f"a prompt a leaving rollout server held never came back: {down}"
     assert down["claimed_by_survivor"] >= len(down["left_pending"]), down
     assert sum(r["num_failed_samples"] for r in train) == 0, "a reward replica leaving failed samples"
 def test_a_killed_valkey_keeps_every_group(run):
