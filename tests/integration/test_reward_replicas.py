@@ -152,7 +152,11 @@ async def test_a_session_whose_replica_dies_fails_and_a_new_one_opens_elsewhere(
         await servers[owner].stop(0)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await session.exchange(_guess("4"), 5)
-        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), err.value
+        # grpc's core may fail the send itself as the connection dies ("Internal error from Core", seen
+        # once under the full suite's load, 2026-12-02) rather than report the peer gone.
+        lost = err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+            err.value.code() == grpc.StatusCode.INTERNAL and err.value.details() == "Internal error from Core")
+        assert lost, err.value
         await session.close(1)
         again, reply = await pool.open_session(reset, timeout_s=5, stream_timeout_s=60)
         assert reply.session_id.startswith(services[other].sessions.replica + "/")
