@@ -180,6 +180,10 @@ def _hub_servers(resolved: RunConfig, run_dir: Path) -> dict[str, tuple[str, int
     for name, hub in resolved.reward.verifiers.items():
         if hub.python is None or name in resolved.reward.remote:
             continue
+        if not Path(hub.python).is_file():
+            raise SystemExit(f"rlmesh up: reward.verifiers.{name}.python={hub.python} is not a file; make the "
+                             f"environment's virtualenv with `rlmesh venv --output DIR verifiers==0.3.1 PACKAGE` and "
+                             f"name DIR/bin/python")
         port = free_port()
         own = resolved.model_copy(deep=True)
         own.reward.remote, own.reward.env_processes, own.reward.functions = {}, [], {}

@@ -270,8 +270,7 @@ class VerifiersEpisodes:
             prompt, episode.answer = call.result()
             new, episode.seen = prompt[episode.seen:], len(prompt)
             # The policy's own message is in the prompt again: what the environment added comes after it.
-            return [to_message(m) for m in new if getattr(m, "role", None) != "assistant"
-                    and (not isinstance(m, dict) or m.get("role") != "assistant")]
+            return [said for said in map(to_message, new) if said["role"] != "assistant"]
         call.cancel()
         episode.done, episode.answer = True, None
         episode.state = episode.rollout.result()  # raises what the rollout raised
