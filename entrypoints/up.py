@@ -23,7 +23,7 @@ from typing import Any
 from rlmesh.learner.watch import STALLED_EXIT
 from rlmesh.preflight import check_model_fits, printable
 from rlmesh.processes import Mesh, Service, stop_signals_interrupt
-from rlmesh.services.config import NetworkSection, RunConfig, dump_config
+from rlmesh.services.config import NetworkSection, RewardSection, RunConfig, dump_config
 from rlmesh.services.ports import free_port
 from rlmesh.services.retry import Backoff
 
@@ -147,8 +147,8 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
         mesh.spawn(f"env-{name}", ["reward", "-c", str(run_dir / f"config.env-{name}.yaml"), "--port", str(port)],
                    python=python)
     # Serving before the main reward server registers them, so it learns what they serve.
-    _wait_serving(mesh, config.network, {f"env-{n}": p for n, p in {**env_ports, **{
-        n: port for n, (_, port) in hubs.items()}}.items()})
+    env_ports.update({name: port for name, (_, port) in hubs.items()})
+    _wait_serving(mesh, config.network, {f"env-{n}": p for n, p in env_ports.items()})
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
 
     def spawn_rollouts(extra: list[str]) -> None:
@@ -186,9 +186,9 @@ def _hub_servers(resolved: RunConfig, run_dir: Path) -> dict[str, tuple[str, int
                              f"name DIR/bin/python")
         port = free_port()
         own = resolved.model_copy(deep=True)
-        own.reward.remote, own.reward.env_processes, own.reward.functions = {}, [], {}
-        own.reward.mcp, own.reward.openenv, own.reward.judge, own.reward.code, own.reward.agents = {}, {}, {}, {}, {}
-        own.reward.verifiers = {name: hub.model_copy(update={"python": None})}
+        # The reward section's settings (timeouts, limits) without any environment but this one, hosted there.
+        settings = {k: v for k, v in resolved.reward.model_dump().items() if not isinstance(v, (dict, list))}
+        own.reward = RewardSection(**settings, verifiers={name: hub.model_copy(update={"python": None})})
         dump_config(own, run_dir / f"config.env-{name}.yaml")
         resolved.reward.remote = {**resolved.reward.remote, name: f"{resolved.network.host}:{port}"}
         hubs[name] = (hub.python, port)
