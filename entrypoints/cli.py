@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -168,22 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         # carriage-return frames on one line; rlmesh's own progress prints a line now and then instead.
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    if args.command == "model":
-        return _model(args)
-    if args.command == "export":
-        return _export(args)
-    if args.command == "health":
-        return _health(args)
-    if args.command == "tls-init":
-        return _tls_init(args)
-    if args.command == "venv":
-        from rlmesh.venvs import run as run_venv
-
-        return run_venv(args)
-    if args.command == "status":
-        from rlmesh.status import run_status
-
-        return run_status(args)
+    plain = _PLAIN_COMMANDS.get(args.command)
+    if plain is not None:
+        return plain(args)
     from rlmesh.services.config import ConfigError, load_config
 
     try:
@@ -191,58 +179,47 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"rlmesh {args.command}: {err}", file=sys.stderr)
         return 2
-
-    if args.command == "config":
-        import yaml
-
-        from rlmesh.services.config import public_dict
-
-        print(yaml.safe_dump(public_dict(config), sort_keys=False), end="")
-        return 0
     if args.command in ("learner", "rollout", "reward"):
         problem = _cannot_serve(config, args.command)
         if problem:
             print(f"rlmesh {args.command}: {problem}", file=sys.stderr)
             return 2
-    if args.command == "eval":
-        from rlmesh.evaluate import run_eval
+    command = _CONFIG_COMMANDS[args.command]
+    if isinstance(command, str):
+        module, name = command.split(":")
+        command = getattr(importlib.import_module(module), name)
+    return command(config, args)
 
-        return run_eval(config, args)
-    if args.command == "check":
-        from rlmesh.check import run_check
 
-        return run_check(config, args)
-    if args.command == "up":
-        from rlmesh.up import run_up
+def _venv(args) -> int:
+    from rlmesh.venvs import run
 
-        return run_up(config, args)
-    if args.command == "reward":
-        from rlmesh.reward_server.server import main as reward_main
+    return run(args)
 
-        return reward_main(config, args)
-    if args.command == "rollout":
-        from rlmesh.rollout_server.server import main as rollout_main
 
-        return rollout_main(config, args)
-    if args.command == "learner":
-        from rlmesh.learner.builder import main as learner_main
+def _status(args) -> int:
+    from rlmesh.status import run_status
 
-        return learner_main(config, args)
-    if args.command == "sft":
-        from rlmesh.learner.recipes.sft import main as sft_main
+    return run_status(args)
 
-        return sft_main(config, args)
-    if args.command == "dpo":
-        from rlmesh.learner.recipes.dpo import main as dpo_main
 
-        return dpo_main(config, args)
-    if args.command == "tiny-model":
-        from rlmesh.learner.devtools.tiny_model import write_tiny_model
+def _print_config(config, args) -> int:
+    import yaml
 
-        write_tiny_model(config.model, args.output, seed=config.run.seed)
-        print(args.output)
-        return 0
-    raise AssertionError(args.command)
+    from rlmesh.services.config import public_dict
+
+    print(yaml.safe_dump(public_dict(config), sort_keys=False), end="")
+    return 0
+
+
+def _tiny_model(config, args) -> int:
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+
+    write_tiny_model(config.model, args.output, seed=config.run.seed)
+    print(args.output)
+    return 0
+
+
 
 
 def _cannot_serve(config, tier: str) -> str | None:
@@ -332,6 +309,26 @@ def _export(args: argparse.Namespace) -> int:
     out = export_hf(checkpoint, Path(args.output), merge=args.merge, dtype=args.dtype)
     print(f"rlmesh export: {checkpoint} -> {out}")
     return 0
+
+
+_PLAIN_COMMANDS = {"model": _model, "export": _export, "health": _health, "tls-init": _tls_init, "venv": _venv,
+                   "status": _status}
+"""Commands that take no run config: command -> function(args)."""
+
+_CONFIG_COMMANDS = {
+    "config": _print_config,
+    "eval": "rlmesh.evaluate:run_eval",
+    "check": "rlmesh.check:run_check",
+    "up": "rlmesh.up:run_up",
+    "reward": "rlmesh.reward_server.server:main",
+    "rollout": "rlmesh.rollout_server.server:main",
+    "learner": "rlmesh.learner.builder:main",
+    "sft": "rlmesh.learner.recipes.sft:main",
+    "dpo": "rlmesh.learner.recipes.dpo:main",
+    "tiny-model": _tiny_model,
+}
+"""Commands that load the run config (-c and overrides): command -> function(config, args), or
+"module:function" imported only when that command runs, so `rlmesh --help` and the light commands stay quick."""
 
 
 if __name__ == "__main__":

@@ -32,22 +32,15 @@ import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from rlmesh.reward_server.environments.agent_process import kill_episode
+from rlmesh.reward_server.environments.base import ScoreOutput
 from rlmesh.reward_server.function_workers import worker_env
 
 log = logging.getLogger(__name__)
 
 _LAUNCHER = "rlmesh.reward_server.environments.agent_process"
 _ERR_TAIL = 2000
-
-
-@dataclass
-class AgentResult:
-    reward: float = 0.0
-    components: dict[str, float] = field(default_factory=dict)
-    error: str = ""
 
 
 class LauncherGone(Exception):
@@ -168,7 +161,7 @@ class AgentEnvironment:
         # a command agent's episodes are waited for in threads of their own, never the loop's default pool
         self._waiters = ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"agent-{name}") if self.command else None
 
-    async def run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
+    async def run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> ScoreOutput:
         async with self._slots:
             return await self._run(prompt, metadata, base_url, api_key)
 
@@ -180,7 +173,7 @@ class AgentEnvironment:
         await asyncio.shield(launcher.ready)
         return launcher
 
-    async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> AgentResult:
+    async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> ScoreOutput:
         episode_env = {**self.tls_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
         if self.command is not None:
             return await self._run_command(json.dumps({"prompt": prompt, "metadata": metadata}), episode_env)
@@ -194,7 +187,7 @@ class AgentEnvironment:
                 pid_future, exit_future = launcher.start(task, answer, log_path, episode_env)
                 pid = await pid_future
             except LauncherGone as err:
-                return AgentResult(error=f"agent_crashed: agent {self.path}: {err}")
+                return ScoreOutput(error=f"agent_crashed: agent {self.path}: {err}")
             self._running.add(pid)
             try:
                 code = await asyncio.wait_for(asyncio.shield(exit_future), self.timeout_s)
@@ -206,7 +199,7 @@ class AgentEnvironment:
                 kill_episode(pid)
                 raise
             except LauncherGone as err:
-                return AgentResult(error=f"agent_crashed: agent {self.path}: {err}")
+                return ScoreOutput(error=f"agent_crashed: agent {self.path}: {err}")
             finally:
                 self._running.discard(pid)
             if code != 0:
@@ -218,7 +211,7 @@ class AgentEnvironment:
                 out = ""
             return parse_answer(self.path, out)
 
-    async def _run_command(self, task: str, episode_env: dict[str, str]) -> AgentResult:
+    async def _run_command(self, task: str, episode_env: dict[str, str]) -> ScoreOutput:
         """One episode of a command agent: its own process (and session), the task on stdin, the answer
         its last line of stdout; started and waited for in a thread with plain subprocess, as the
         reward-function workers are, not by the event loop."""
@@ -228,7 +221,7 @@ class AgentEnvironment:
                                     stderr=subprocess.PIPE, env={**worker_env(self.env), **episode_env},
                                     start_new_session=True)
         except OSError as err:
-            return AgentResult(error=f"agent_crashed: agent {self.path} could not start: {err}")
+            return ScoreOutput(error=f"agent_crashed: agent {self.path} could not start: {err}")
         self._running.add(proc.pid)
         try:
             out, err = await loop.run_in_executor(
@@ -246,12 +239,12 @@ class AgentEnvironment:
             return self._crashed(proc.returncode, err.decode(errors="replace")[-_ERR_TAIL:].strip())
         return parse_answer(self.path, out.decode(errors="replace"))
 
-    def _timed_out(self) -> AgentResult:
-        return AgentResult(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
+    def _timed_out(self) -> ScoreOutput:
+        return ScoreOutput(error=f"agent_timeout: agent {self.path} ran past reward.agent_timeout_s="
                                  f"{self.timeout_s}s and was killed")
 
-    def _crashed(self, code: int, stderr_tail: str) -> AgentResult:
-        return AgentResult(error=f"agent_crashed: agent {self.path} exited with {code}: "
+    def _crashed(self, code: int, stderr_tail: str) -> ScoreOutput:
+        return ScoreOutput(error=f"agent_crashed: agent {self.path} exited with {code}: "
                                  f"{stderr_tail or '(no output on stderr)'}")
 
     def close(self) -> None:
@@ -288,7 +281,7 @@ def _communicate(proc: subprocess.Popen, task: bytes, timeout_s: float) -> tuple
         return proc.communicate(timeout=timeout_s)
 
 
-def parse_answer(path: str, stdout: str) -> AgentResult:
+def parse_answer(path: str, stdout: str) -> ScoreOutput:
     """The reward on the last line of what the agent's episode process answered: a JSON object
     {"reward", "components"} or a bare number."""
     lines = stdout.strip().splitlines()
@@ -299,14 +292,14 @@ def parse_answer(path: str, stdout: str) -> AgentResult:
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = {"reward": answer}
     if not isinstance(answer, dict) or "reward" not in answer:
-        return AgentResult(error=f"agent_crashed: agent {path} gave no answer: its last line must be a number "
+        return ScoreOutput(error=f"agent_crashed: agent {path} gave no answer: its last line must be a number "
                                  'or {"reward": number, "components": {name: number}}')
     reward, components = answer["reward"], answer.get("components") or {}
     ok = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward) \
         and isinstance(components, dict) \
         and all(isinstance(v, (int, float)) and math.isfinite(v) for v in components.values())
     if not ok:
-        return AgentResult(error=f"agent_bad_reward: agent {path} returned {answer['reward']!r} "
+        return ScoreOutput(error=f"agent_bad_reward: agent {path} returned {answer['reward']!r} "
                                  f"(components {components!r}); return a finite number or "
                                  "{'reward': number, 'components': {name: number}}")
-    return AgentResult(float(reward), {str(k): float(v) for k, v in components.items()})
+    return ScoreOutput(float(reward), {str(k): float(v) for k, v in components.items()})

@@ -47,13 +47,13 @@ class WeightSyncSection(Section):
     timeout_s: float = Field(120.0, gt=0)
     """Deadline of one broadcast round (rendezvous included)."""
     control_concurrency: int = Field(64, ge=1)
-    """Most per-step control calls (pause, start, finish, resume) the learner has in flight at once across rollout servers; the weight transfer itself always goes to all at once."""
+    """Most channels the learner dials at once when a transfer group forms (a thousand servers dialled in the same instant is a connection storm); InitWeightTransfer and UpdateWeights then go to every member at once, since each waits in a collective all members must enter."""
     digest_algorithm: Literal["blake3", "xxh3", "sha256"] = "blake3"
     """Digest both sides take of every gloo transfer: blake3 (cryptographic: catches tampering on the weight network), xxh3 (~5x faster, catches corruption only: for a weight network strangers cannot reach), or sha256; a group with a rollout server that cannot digest with it uses sha256."""
     announce_min_servers: int = Field(32, ge=1)
     """Groups of at least this many rollout servers get each update announced once on a Valkey stream (one entry, whatever the number of servers) instead of one UpdateWeights call per server; smaller groups, and any group with a server without Valkey, keep the calls."""
     snapshot: bool = True
-    """Copy the weights into a buffer kept across updates and send from it on a thread of its own, so the next training step waits only for the copy (costs a second copy of the sent weights in memory; gloo only, nccl sends from the GPU; needs single-call rollout servers)."""
+    """Copy the weights into a buffer kept across updates and send from it on a thread of its own, so the next training step waits only for the copy (costs a second copy of the sent weights in memory; gloo only: nccl sends from the GPU)."""
 
     @model_validator(mode="after")
     def _dialable(self) -> "WeightSyncSection":
