@@ -1,5 +1,6 @@
 """`rlmesh rollout`: a vLLM rollout server. Wires the generator, the queue worker, the gRPC
-servicer and membership with the learner (register, heartbeat, re-register)."""
+servicer and membership with the learner (register, heartbeat, re-register): `serve` is
+`start_engine`, `build` and `run`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvloop
@@ -134,13 +137,23 @@ async def watch_health(server, generator: VLLMGenerator, worker: RolloutWorker, 
 
 
 async def serve(config: RunConfig, args: argparse.Namespace) -> None:
+    """Build the rollout server (`start_engine`, then `build`), then run it until it is stopped (`run`)."""
     log = setup_logging("rollout", config.logging.level, fmt=config.logging.format,
                         trace_file=config.logging.trace_file,
                         sample_ratio=config.logging.trace_sample_ratio)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_config(config.network, "rollout")
     check_can_serve(config.network.host, token=token, tls=tls, insecure=config.network.insecure)  # before vLLM loads
+    from rlmesh.services.precision import resolve_precision
+
+    config = resolve_precision(config)  # rollout.dtype=learner: serve in the learner's compute dtype
     receiver = build_receiver(config.weight_sync)
+    generator = await start_engine(config, args, receiver.engine)
+    await run(await build(config, args, generator, receiver, token, tls, log), log)
+
+
+async def start_engine(config: RunConfig, args: argparse.Namespace, weight_engine: str) -> VLLMGenerator:
+    """vLLM loaded and ready to sample (warming up on placeholder weights until the first update)."""
     adapter = None
     if config.learner.lora.rank:
         from rlmesh.rollout_server.lora import ServedAdapter
@@ -150,11 +163,8 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     if placeholder and adapter is not None:
         raise SystemExit("rlmesh rollout: --placeholder-model cannot be used with learner.lora.rank > 0 (the learner "
                          "broadcasts only the adapter, so the base model must already be the trained one)")
-    from rlmesh.services.precision import resolve_precision
-
-    config = resolve_precision(config)  # rollout.dtype=learner: serve in the learner's compute dtype
     refuse_untested_architecture(config, placeholder or model_path(config))
-    generator = VLLMGenerator(placeholder or model_path(config), config.rollout, config.run.seed, receiver.engine,
+    generator = VLLMGenerator(placeholder or model_path(config), config.rollout, config.run.seed, weight_engine,
                               adapter, placeholder=bool(placeholder), prompt=config.prompt)
     if config.logging.metrics_port is not None:
         from rlmesh.rollout_server.prom import engine_stats_logger
@@ -167,7 +177,26 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
         skip_request_stats(generator.engine)
     if placeholder:
         generator.start_warm_up()
+    return generator
 
+
+@dataclass
+class Serving:
+    """A built rollout server: its gRPC server, the parts it runs and how it is known to the learner."""
+
+    server: Any
+    generator: VLLMGenerator
+    worker: RolloutWorker
+    endpoint: Any
+    learner: learner_pb2_grpc.LearnerServiceStub
+    generator_id: str
+    tasks: list[asyncio.Task]
+
+
+async def build(config: RunConfig, args: argparse.Namespace, generator: VLLMGenerator, receiver, token: str | None,
+                tls: TLSFiles | None, log: logging.Logger) -> Serving:
+    """Around a started engine: the queue worker, reward and agent clients, the gRPC server (listening),
+    metrics, and the background tasks (queue worker, membership, health)."""
     redis = connect_queue(config.queue, "rollout")
     prompts, trajectories = run_streams(redis, config.queue)
     rewards = RewardPool([Replica(address, reward_pb2_grpc.RewardServiceStub(
@@ -209,21 +238,27 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
         asyncio.create_task(keep_membership(learner, generator_id, address, worker, generator, log), name="membership"),
         asyncio.create_task(watch_health(server, generator, worker, [prompts, trajectories], log), name="health"),
     ]
+    return Serving(server, generator, worker, endpoint, learner, generator_id, tasks)
+
+
+async def run(built: Serving, log: logging.Logger) -> None:
+    """Serve until a stop signal (deregister, stop the worker, drain calls) or until a background task
+    dies (its error raised, never silently); then shut the engine down and exit the process."""
+    server, generator, worker, tasks = built.server, built.generator, built.worker, built.tasks
 
     async def on_stop() -> None:
         try:
-            await learner.Deregister(learner_pb2.DeregisterRequest(generator_id=generator_id), timeout=2.0)
+            await built.learner.Deregister(learner_pb2.DeregisterRequest(generator_id=built.generator_id), timeout=2.0)
         except grpc.aio.AioRpcError:
             pass  # the learner may already be gone
         for t in tasks:
             t.cancel()
         await worker.stop()
-        if endpoint is not None:
-            await endpoint.stop()
+        if built.endpoint is not None:
+            await built.endpoint.stop()
         log.info("deregistered and stopped the queue worker; draining calls")
 
     serving = asyncio.create_task(server.serve_forever(grace_s=5.0, on_stop=on_stop))
-    # A background task that dies takes the server down with its error, never silently.
     done, _ = await asyncio.wait([serving, *tasks], return_when=asyncio.FIRST_COMPLETED)
     for t in done:
         if t is not serving and not t.cancelled() and t.exception() is not None:

@@ -1,12 +1,12 @@
 """The rollout server's engine-busy clock: counts wall time with work in flight, not paused."""
 
-from rlmesh.rollout_server import generator
-from rlmesh.rollout_server.generator import BusyClock
+from rlmesh.rollout_server import vllm_engine
+from rlmesh.rollout_server.vllm_engine import BusyClock
 
 
 def test_busy_clock_counts_only_time_with_requests_in_flight_and_not_paused(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(generator.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(vllm_engine.time, "monotonic", lambda: now[0])
     clock = BusyClock()
     now[0] += 5  # idle: not counted
     clock.enter()

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from rlmesh.rollout_server.generator import remove_orphaned_rpc_dirs
+from rlmesh.rollout_server.vllm_engine import remove_orphaned_rpc_dirs
 
 
 def test_only_directories_of_servers_that_are_gone_are_removed(tmp_path):
