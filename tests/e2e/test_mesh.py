@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,20 +92,40 @@ class Up:
 
 
 @pytest.mark.observability
+@pytest.mark.security
 @pytest.mark.timeout(700)
 def test_rlmesh_up_runs_async_grpo_and_reward_rises(tmp_path, monkeypatch):
+    """The main demo run, observed, with forgeries written into its trajectory stream meanwhile
+    (tests/security/forgery.py: each dropped with its reason, none costing or doubling a real group)."""
+    import redis
+
+    from rlmesh.services.ports import free_port
     from tests.e2e.observability import OVERRIDES, Observer
+    from tests.faults.test_faults import _valkey
+    from tests.security import forgery
 
     run_dir = tmp_path / "run"
+    port = free_port()
+    valkey = _valkey(port, tmp_path / "valkey")  # outside the mesh, so the forger can write to it
     observer = Observer(monkeypatch, tmp_path)
-    up = Up(run_dir, "learner.num_steps=40", "learner.eval_every=10", "algorithm.max_staleness=1", *OVERRIDES)
+    forger = forgery.Forger(redis.Redis(port=port))
+    up = Up(run_dir, "learner.num_steps=40", "learner.eval_every=10", "algorithm.max_staleness=1",
+            f"queue.url=redis://127.0.0.1:{port}", *OVERRIDES)
+    forging = threading.Thread(target=forger.run, args=(up, run_dir), daemon=True)
+    forging.start()
     try:
         observer.watch(up, run_dir)
         code = up.finish(timeout=550)
+        assert code == 0, up.output()[-4000:]
+        forging.join(timeout=30)
+        forgery.check(forger, run_dir, groups_per_step=32)
     finally:
         observer.stop()
-    assert code == 0, up.output()[-4000:]
-    assert len(up.seen) >= 4, "valkey is in-process; sft, reward, learner, rollout (+ vLLM engine) are children"
+        if up.proc.poll() is None:
+            up.proc.kill()
+        forger.close()
+        valkey.terminate()
+    assert len(up.seen) >= 4, "sft, reward, learner, rollout (+ vLLM engine) are children"
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
 
     summary = json.loads((run_dir / "summary.json").read_text())

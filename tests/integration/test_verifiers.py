@@ -30,9 +30,6 @@ from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
-VENV = REPO / ".cache" / "venvs" / "verifiers"
-"""Kept between runs (pip finds everything installed on the next): ~90 s to make here."""
-PACKAGES = ["verifiers==0.3.1", "sophistry-bench-sprint==0.1.6"]
 OWN = "tests.integration.verifiers_envs"
 ENVS = {
     "sophistry": {"env_id": "sophistry-bench-sprint"},
@@ -45,10 +42,8 @@ ENVS = {
 
 
 @pytest.fixture(scope="module")
-def python() -> Path:
-    from rlmesh.venvs import make_venv
-
-    return make_venv(VENV, PACKAGES)
+def python(verifiers_python) -> Path:
+    return verifiers_python  # tests/conftest.py: one virtualenv for the session
 
 
 def _spawn(python: Path | str, config: Path, port: int, log: Path) -> subprocess.Popen:

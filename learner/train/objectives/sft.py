@@ -68,14 +68,19 @@ class SFTObjective:
         # draws in between, so a seed reproduces the whole run.
         self.codec, self.rng, self.label_noise = codec, rng, label_noise
         self._prompts: dict[str, list[int]] = {}  # example id -> prompt ids (single-turn examples)
+        # (example id, shortcut?) -> the rendered demonstration: rendering a conversation through the chat
+        # template (once per assistant turn, for its mask) cost more than the step of a tiny model.
+        self._conversations: dict[tuple[str, bool], tuple] = {}
 
     def sequence(self, example: SFTExample) -> Sequence:
         """The example as prompt + the assistant turn(s) to learn: a whole demonstration (loss on its
         assistant turns only), or the reference answer followed by the end-of-turn token."""
         if example.demonstration:
             conversation = sft_conversation(example, self.rng, self.label_noise)
-            prompt, completion, mask = self.codec.conversation(conversation, example.tools)
-            return Sequence(prompt, completion, mask)
+            key = (example.id, conversation is example.shortcut)
+            if key not in self._conversations:
+                self._conversations[key] = tuple(self.codec.conversation(conversation, example.tools))
+            return Sequence(*self._conversations[key])
         if example.id not in self._prompts:
             self._prompts[example.id] = self.codec.prompt(example.prompt_messages, example.tools)
         target = self.codec.tokenizer.encode(sft_target(example, self.rng, self.label_noise),

@@ -128,3 +128,24 @@ def test_finishing_offers_the_eval_groups_held_back_during_a_step_and_keeps_the_
     assert rnd.record["accuracy"] == 0.5 and not evaluator.rounds
     assert reads == [0]  # one read brought the last answer
     assert [e.id for e, _ in held_back] == ["t1", "t2"]
+
+
+def test_a_failed_answer_adds_no_versions_to_the_round():
+    """A dropped eval group (here: one the learner's validation refuses) is an error of the round and
+    carries no versions: the round's generated_at_versions are its answers' alone."""
+    issuer = Issuer([sample(1.0, "done", 1.0), sample(0.0, "done", 0.0)])
+    written, refused = [], []
+    evaluator = Evaluator([EXAMPLE] * 2, issuer, SimpleNamespace(ack=lambda entry_id: asyncio.sleep(0)),
+                          SimpleNamespace(write=written.append),
+                          check=lambda group, version: "0 samples, issued for 1" if group in refused else "")
+
+    async def scenario():
+        await evaluator.start(10)
+        good, bad = issuer.published
+        refused.append(bad)
+        good.samples[0].min_version = good.samples[0].max_version = 10
+        assert await evaluator.offer(SimpleNamespace(id="a"), good, 10) is None
+        return await evaluator.offer(SimpleNamespace(id="b"), bad, 10)
+
+    record = asyncio.run(scenario())
+    assert record["num_errors"] == 1 and record["generated_at_versions"] == [10, 10], record
