@@ -48,7 +48,7 @@ from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
 from rlmesh.reward_server.session_stream import serve_session
 from rlmesh.reward_server.sessions import LocalSession, SessionError, SessionTable, check_name
 from rlmesh.services.auth import TLSFiles, peer_tier
-from rlmesh.services.config import RewardSection
+from rlmesh.services.config import RewardSection, default
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from rlmesh.services.domain.chat import as_dicts as to_messages
 
@@ -111,9 +111,13 @@ def _budget(context: grpc.aio.ServicerContext, limit_s: float | None = None) -> 
 
 class RewardService(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, functions: dict[str, str] | None = None, *, token: str | None = None,
-                 remote_timeout_s: float = 30.0, score_timeout_s: float = 30.0, env_timeout_s: float = 30.0,
-                 env_max_concurrency: int = 8, session_idle_timeout_s: float = 600.0, replica_id: str | None = None,
-                 builtin: Iterable[str] | None = None, allow_register: bool = False,
+                 remote_timeout_s: float = default(RewardSection, "score_timeout_s"),
+                 score_timeout_s: float = default(RewardSection, "score_timeout_s"),
+                 env_timeout_s: float = default(RewardSection, "env_timeout_s"),
+                 env_max_concurrency: int = default(RewardSection, "env_max_concurrency"),
+                 session_idle_timeout_s: float = default(RewardSection, "session_idle_timeout_s"),
+                 replica_id: str | None = None, builtin: Iterable[str] | None = None,
+                 allow_register: bool = default(RewardSection, "allow_register"),
                  limits: RequestLimits | None = None, tls: TLSFiles | None = None,
                  function_limits: WorkerLimits | None = None) -> None:
         """`score_timeout_s` bounds every Score call, whatever deadline its caller set (see the

@@ -31,7 +31,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlmesh.services.auth import read_secret
-from rlmesh.services.config import REDACTED
+from rlmesh.services.config import REDACTED, QueueSection, default
 from rlmesh.services.retry import Backoff, describe_error, retry
 
 if TYPE_CHECKING:
@@ -144,8 +144,8 @@ class StreamQueue:
         stream: str,
         *,
         group: str = "workers",
-        max_len: int = 10000,
-        claim_idle_ms: int = 60000,
+        max_len: int = default(QueueSection, "max_len"),
+        claim_idle_ms: int = default(QueueSection, "claim_idle_ms"),
         reconnect_timeout_s: float = 300.0,
     ) -> None:
         self.client, self.stream, self.group = client, stream, group

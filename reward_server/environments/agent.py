@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rlmesh.reward_server.environments.agent_process import kill_episode
 from rlmesh.reward_server.environments.base import ScoreOutput
+from rlmesh.services.config import RewardSection, default
 from rlmesh.reward_server.function_workers import worker_env
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ class AgentEnvironment:
     kind = "agent"
 
     def __init__(self, name: str, path: str | list[str], *, timeout_s: float, env: tuple[str, ...] = (),
-                 max_concurrency: int = 8, ca_file: str | None = None) -> None:
+                 max_concurrency: int = default(RewardSection, "env_max_concurrency"),
+                 ca_file: str | None = None) -> None:
         """`ca_file`: the CA an HTTPS endpoint's certificate is checked against, given to the agent as
         SSL_CERT_FILE (which the openai client's httpx reads)."""
         self.command: list[str] | None = None

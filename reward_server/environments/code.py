@@ -23,6 +23,7 @@ from typing import Any
 
 from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
 from rlmesh.reward_server.sandbox import Sandbox
+from rlmesh.services.config import CodeEnvironmentSection, default
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def parse_tests(value: Any, key: str) -> list[str | dict[str, str]]:
 class CodeEnvironment:
     max_batch_size = 1  # one sandbox per call: a slow item holds only its own worker
 
-    def __init__(self, name: str, sandbox: Sandbox, *, tests_key: str = "tests") -> None:
+    def __init__(self, name: str, sandbox: Sandbox, *, tests_key: str = default(CodeEnvironmentSection, "tests_key")) -> None:
         self.name, self.tests_key, self._sandbox = name, tests_key, sandbox
         self.description = f"Python program run against metadata.{tests_key} in a sandbox; reward = pass rate"
         probe_s = sandbox.check()

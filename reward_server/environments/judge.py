@@ -27,6 +27,9 @@ import httpx
 from rlmesh.reward_server.environments.base import Message, ScoreInput, ScoreOutput
 from rlmesh.reward_server.environments.loop_thread import LoopThread
 from rlmesh.services.retry import Backoff, retry
+from rlmesh.services.config import JudgeEnvironmentSection, default
+
+_JUDGE = JudgeEnvironmentSection
 
 _PLACEHOLDER = re.compile(r"\{(prompt|completion|reference)\}")
 _RETRY = Backoff(0.5, 4.0)
@@ -63,9 +66,11 @@ def _prompt_text(prompt: list[Message]) -> str:
 
 class JudgeEnvironment:
     def __init__(self, name: str, *, url: str, model: str, rubric: str, system: str | None = None,
-                 reference_key: str = "answer", score_regex: str, min_score: float, max_score: float,
-                 temperature: float = 0.0, max_tokens: int = 256, max_concurrency: int = 8,
-                 timeout_s: float = 10.0, retries: int = 1, api_key_env: str | None = None) -> None:
+                 reference_key: str = default(_JUDGE, "reference_key"), score_regex: str, min_score: float,
+                 max_score: float, temperature: float = default(_JUDGE, "temperature"),
+                 max_tokens: int = default(_JUDGE, "max_tokens"), max_concurrency: int = default(_JUDGE, "max_concurrency"),
+                 timeout_s: float = default(_JUDGE, "timeout_s"), retries: int = default(_JUDGE, "retries"),
+                 api_key_env: str | None = None) -> None:
         self.name, self.model, self.rubric, self.system = name, model, rubric, system
         self.endpoint = url.rstrip("/") + "/chat/completions"
         self.description = f"LLM judge {model} at {self.endpoint}; reward = score mapped to [0, 1]"

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
+from rlmesh.services.config import MathEnvironmentSection, default
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,9 @@ class MathEnvironment:
     description = ("final answer (last \\boxed{}, else after ####, else the last number) checked against "
                    "metadata.answer with math-verify; components correct, format, extracted, timeout")
 
-    def __init__(self, timeout_s: float = 5.0, num_workers: int = 2, format_weight: float = 0.0) -> None:
+    def __init__(self, timeout_s: float = default(MathEnvironmentSection, "timeout_s"),
+                 num_workers: int = default(MathEnvironmentSection, "num_workers"),
+                 format_weight: float = default(MathEnvironmentSection, "format_weight")) -> None:
         self.pool = VerifyPool(num_workers, timeout_s)
         self.format_weight = format_weight
 

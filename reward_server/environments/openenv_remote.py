@@ -24,6 +24,7 @@ from typing import Any
 
 from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema, load_callable
 from rlmesh.reward_server.environments.loop_thread import LoopThread
+from rlmesh.services.config import OpenEnvEnvironmentSection, default
 
 
 @dataclass
@@ -35,9 +36,10 @@ class OpenEnvEpisode:
 
 
 class OpenEnvEnvironment:
-    def __init__(self, name: str, url: str, *, action_field: str = "message", action: str | None = None,
+    def __init__(self, name: str, url: str, *, action_field: str = default(OpenEnvEnvironmentSection, "action_field"), action: str | None = None,
                  observation_field: str | None = None, reset_keys: list[str] | None = None,
-                 max_turns: int = 8, call_timeout_s: float = 30.0) -> None:
+                 max_turns: int = default(OpenEnvEnvironmentSection, "max_turns"),
+                 call_timeout_s: float = default(OpenEnvEnvironmentSection, "call_timeout_s")) -> None:
         self.name, self.url, self.max_turns = name, url, max_turns
         self.description = f"OpenEnv environment server at {url}"
         self.action_field, self.observation_field = action_field, observation_field

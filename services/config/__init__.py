@@ -7,7 +7,7 @@ is imported from here: `from rlmesh.services.config import RunConfig, load_confi
 
 from __future__ import annotations
 
-from rlmesh.services.config.base import Section
+from rlmesh.services.config.base import Section, default
 from rlmesh.services.config.model_data import (
     RunSection, TinyModelSection, HFModelSection, ModelSection, ArithmeticDataSection, JsonlDataSection,
     CalculatorDataSection, HFDataSection, ReasoningGymDataSection, TextArenaDataSection, VerifiersDataSection,
@@ -34,7 +34,7 @@ from rlmesh.services.config.run_config import (
 )
 
 __all__ = [
-    "Section", "RunSection", "TinyModelSection", "HFModelSection", "ModelSection", "ArithmeticDataSection",
+    "Section", "default", "RunSection", "TinyModelSection", "HFModelSection", "ModelSection", "ArithmeticDataSection",
     "JsonlDataSection", "CalculatorDataSection", "HFDataSection", "ReasoningGymDataSection", "TextArenaDataSection", "VerifiersDataSection", "DataSection", "PromptSection", "EpisodeSection", "AgentEndpointSection",
     "RolloutSection", "McpEnvironmentSection", "CodeEnvironmentSection", "JudgeEnvironmentSection",
     "OpenEnvEnvironmentSection", "MathEnvironmentSection", "VerifiersEnvironmentSection", "RewardSection", "LoRASection", "StallSection",

@@ -12,6 +12,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def default(section: type[Section], field: str):
+    """The config's default of `section.field`: what a signature or dataclass outside the config uses for
+    its own default of that setting, so each default is written once (tests/unit/services/test_one_default.py)."""
+    return section.model_fields[field].default
+
+
 def _int_as_text(value: object) -> object:
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 

@@ -13,14 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmesh.services.config import AlgorithmSection, OffPolicySection, default
+
 
 @dataclass(frozen=True)
 class OffPolicyConfig:
-    mode: str = "tis"
-    tis_cap: float = 2.0
-    low: float = 0.5
-    high: float = 2.0
-    seq_ratio: str = "geometric_mean"
+    mode: str = default(OffPolicySection, "mode")
+    tis_cap: float = default(AlgorithmSection, "tis_cap")
+    low: float = default(OffPolicySection, "low")
+    high: float = default(OffPolicySection, "high")
+    seq_ratio: str = default(OffPolicySection, "seq_ratio")
 
 
 def off_policy_weights(old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor,
