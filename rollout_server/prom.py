@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rlmesh.services.config import LoggingSection, default
+
 if TYPE_CHECKING:
     from rlmesh.rollout_server.generator import VLLMGenerator
     from rlmesh.rollout_server.worker import RolloutWorker
@@ -51,7 +53,7 @@ def register(generator: VLLMGenerator, worker: RolloutWorker) -> None:
     REGISTRY.register(RolloutCollector(generator, worker))
 
 
-def engine_stats_logger(vllm_metrics: bool = False) -> Any:
+def engine_stats_logger(vllm_metrics: bool = default(LoggingSection, "vllm_metrics")) -> Any:
     """A vLLM stat logger class copying the scheduler's numbers into the gauges above (vLLM is
     imported here, not at module import: the metrics module stays light).
 

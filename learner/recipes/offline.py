@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlmesh.learner.metrics import MetricsWriter
+from rlmesh.services.config import DPOSection, default
 
 if TYPE_CHECKING:
     from rlmesh.learner.data.examples import Example, TrainData
@@ -37,7 +38,7 @@ def train_offline(trainer: Trainer, examples: TrainData | list[Example], rng: ra
                   output: Path, tokenizer: Any, source_dir: str, desc: str,
                   postfix: Callable[[dict[str, float]], dict[str, str]], show_progress: bool | None = None,
                   metrics: MetricsWriter | None = None, evaluate: Callable[[int], dict] | None = None,
-                  eval_every: int = 0) -> dict | None:
+                  eval_every: int = default(DPOSection, "eval_every")) -> dict | None:
     """`section.num_steps` steps of `section.batch_size` examples drawn (with replacement) from
     `examples` by `rng` (a streamed dataset gives its next rows instead: `TrainData.draw`), at
     `section.lr`; then the model goes to `output`. Returns the final

@@ -21,6 +21,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlmesh.services.config import CheckpointSection, default
+
 if TYPE_CHECKING:
     from rlmesh.learner.train.trainer import Trainer
 
@@ -30,7 +32,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def save_checkpoint(root: Path, version: int, trainer: Trainer, model_dir: str, state: dict[str, Any],
-                    keep_last: int, hf_model: bool = True) -> Path:
+                    keep_last: int, hf_model: bool = default(CheckpointSection, "hf_model")) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{version:06d}"
     tmp = root / f".tmp_step_{version:06d}"

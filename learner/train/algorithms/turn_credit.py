@@ -30,6 +30,7 @@ import torch
 
 from rlmesh.learner.train.algorithms.advantages import group_advantages
 from rlmesh.v1 import common_pb2
+from rlmesh.services.config import CreditSection, default
 
 CREDITS = ("episode", "turn", "turn_state")
 
@@ -64,7 +65,8 @@ def returns(rewards: list[float], discount: float) -> list[float]:
 
 
 def turn_advantages(group: common_pb2.TrajectoryGroup, samples: list[common_pb2.Sample], algorithm: str,
-                    credit: str, *, discount: float = 1.0, state_weight: float = 1.0) -> list[list[float]]:
+                    credit: str, *, discount: float = default(CreditSection, "discount"),
+                    state_weight: float = default(CreditSection, "state_weight")) -> list[list[float]]:
     """Each of `samples`' (the group's valid ones) per-completion-token advantages under `credit`
     (`turn` or `turn_state`, see the module docstring)."""
     if credit not in ("turn", "turn_state"):

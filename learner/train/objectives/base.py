@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlmesh.services.config import LearnerSection, default
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,8 +42,9 @@ class Objective(Protocol):
 
 
 def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence], *, micro_batch_size: int,
-             pad_id: int, lr: float, max_tokens_per_micro_batch: int = 0,
-             shared_prompt_row_tokens: int = 0) -> dict[str, float]:
+             pad_id: int, lr: float,
+             max_tokens_per_micro_batch: int = default(LearnerSection, "max_tokens_per_micro_batch"),
+             shared_prompt_row_tokens: int = default(LearnerSection, "shared_prompt_row_tokens")) -> dict[str, float]:
     """One optimizer step over the whole batch `seqs`; called on every rank with the same `seqs`."""
     from rlmesh.learner.train.batch import plan_step
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlmesh.learner.train.batch import MicroBatch, Sequence
+from rlmesh.services.config import DPOSection, default
 
 if TYPE_CHECKING:
     from rlmesh.services.domain.chat import ChatCodec
@@ -27,7 +28,8 @@ class PreferenceExample(Protocol):
     rejected: str | None
 
 
-def dpo_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, beta: float, sft_weight: float = 0.0
+def dpo_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, beta: float,
+             sft_weight: float = default(DPOSection, "sft_weight")
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sigmoid DPO over (chosen, rejected) pairs laid out as consecutive rows [c0, r0, c1, r1, ...];
     the reference policy's token logprobs ride in `behaviour_logprobs_BT`. Implicit reward of a
@@ -61,7 +63,7 @@ class DPOObjective:
     kl_in_reward = False
     temperature = 1.0
 
-    def __init__(self, codec: ChatCodec, beta: float, sft_weight: float = 0.0) -> None:
+    def __init__(self, codec: ChatCodec, beta: float, sft_weight: float = default(DPOSection, "sft_weight")) -> None:
         self.codec, self.beta, self.sft_weight = codec, beta, sft_weight
         # example id -> its two sequences, built once: the reference logprobs are stored in them.
         self._pairs: dict[str, tuple[Sequence, Sequence]] = {}

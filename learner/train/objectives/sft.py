@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlmesh.learner.train.batch import MicroBatch, Sequence
+from rlmesh.services.config import SFTSection, default
 
 if TYPE_CHECKING:
     from rlmesh.services.domain.chat import ChatCodec
@@ -63,7 +64,8 @@ class SFTObjective:
     kl_in_reward = False
     temperature = 1.0
 
-    def __init__(self, codec: ChatCodec, rng: random.Random, label_noise: float = 0.0) -> None:
+    def __init__(self, codec: ChatCodec, rng: random.Random,
+                 label_noise: float = default(SFTSection, "label_noise")) -> None:
         # `rng` is the run's one stream: the offline loop draws each batch from it and label noise
         # draws in between, so a seed reproduces the whole run.
         self.codec, self.rng, self.label_noise = codec, rng, label_noise

@@ -38,20 +38,11 @@ KNOWN = {
     ("services/auth.py", "server_name_is_tier"): NOT_YET,
     ("services/grpc_server.py", "host"): NOT_YET,
     ("services/grpc_server.py", "insecure"): NOT_YET,
-    ("learner/stop.py", "timeout_s"): NOT_YET,
-    ("learner/recipes/offline.py", "eval_every"): NOT_YET,
-    ("learner/train/checkpoint.py", "hf_model"): NOT_YET,
-    ("learner/train/objectives/dpo.py", "sft_weight"): NOT_YET,
-    ("learner/train/objectives/base.py", "max_tokens_per_micro_batch"): NOT_YET,
-    ("learner/train/objectives/base.py", "shared_prompt_row_tokens"): NOT_YET,
-    ("learner/train/objectives/sft.py", "label_noise"): NOT_YET,
+    ("learner/stop.py", "timeout_s"): SAME_NAME_ONLY + " (how long to wait for callbacks, not weight_sync.timeout_s)",
     ("learner/train/backends/megatron.py", "param_dtype"): NOT_YET,
     ("learner/train/backends/megatron.py", "temperature"): NOT_YET,
     ("learner/train/backends/fsdp2.py", "param_dtype"): NOT_YET,
     ("learner/train/backends/fsdp2.py", "temperature"): NOT_YET,
-    ("learner/train/algorithms/turn_credit.py", "discount"): NOT_YET,
-    ("learner/train/algorithms/turn_credit.py", "state_weight"): NOT_YET,
-    ("rollout_server/prom.py", "vllm_metrics"): NOT_YET,
 }
 
 
