@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from rlmesh.services.config import NetworkSection, TLSSection, default
+
 if TYPE_CHECKING:
     from rlmesh.services.config import NetworkSection
 
@@ -41,7 +43,7 @@ def read_secret(key: str, path: str | None, env: str) -> str | None:
     return os.environ.get(env) or None
 
 
-def load_token(token_file: str | None, token_env: str = "RLMESH_TOKEN") -> str | None:
+def load_token(token_file: str | None, token_env: str = default(NetworkSection, "token_env")) -> str | None:
     """The shared token from a secret file (preferred) or an environment variable; None = no auth."""
     return read_secret("network.token_file", token_file, token_env)
 
@@ -61,7 +63,7 @@ class TLSFiles:
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
-    server_name_is_tier: bool = True
+    server_name_is_tier: bool = default(TLSSection, "server_name_is_tier")
 
     @classmethod
     def from_env(cls) -> TLSFiles | None:

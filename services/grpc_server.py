@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, peer_tier, token_matches
 from rlmesh.services.telemetry import extract_context, tracer
+from rlmesh.services.config import NetworkSection, default
 
 if TYPE_CHECKING:
     from rlmesh.services.config import NetworkSection
@@ -244,14 +245,14 @@ async def _bind(server: grpc.aio.Server, address: str, tls: TLSFiles | None, ret
 async def start_server(
     services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
     *,
-    host: str = "127.0.0.1",
+    host: str = default(NetworkSection, "host"),
     port: int = 0,
     token: str | None = None,
     tls: TLSFiles | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     limits: ServerLimits | None = None,
     policy: Policy | None = None,
-    insecure: bool = False,
+    insecure: bool = default(NetworkSection, "insecure"),
 ) -> Server:
     """Start a server hosting `services` as (add_XServicer_to_server, servicer, full service name).
     Port 0 picks a free port; the bound port is `Server.port`. Refuses (ValueError) to serve beyond

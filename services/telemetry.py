@@ -23,12 +23,15 @@ from typing import Any
 
 from opentelemetry import context, propagate, trace
 
+from rlmesh.services.config import LoggingSection, default
+
 _configured = False
 RUN_DIR_ENV = "RLMESH_RUN_DIR"  # set by `rlmesh up` for every service it starts
 GROUP_ID, VERSION = "rlmesh.group_id", "rlmesh.version"  # span attributes (and JSON log fields)
 
 
-def setup_logging(service: str, level: str = "INFO", *, fmt: str = "text", trace_file: bool = False,
+def setup_logging(service: str, level: str = default(LoggingSection, "level"), *, fmt: str = "text",
+                  trace_file: bool = default(LoggingSection, "trace_file"),
                   run_dir: Path | None = None, sample_ratio: float = 1.0) -> logging.Logger:
     """Logs to stderr as `fmt` ("text" or "json"), and tracing (see the module docstring); the
     span file goes to `run_dir` (default $RLMESH_RUN_DIR) when `trace_file` is set."""

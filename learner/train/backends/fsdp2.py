@@ -21,6 +21,7 @@ from rlmesh.learner.train.batch import MicroBatch
 from rlmesh.learner.train.distributed import init_distributed
 from rlmesh.services.weights.lora import is_adapter, stored_name, write_adapter
 from rlmesh.services.weights.wire import TensorMeta
+from rlmesh.services.config import FSDP2BackendSection, RolloutSection, default
 
 if TYPE_CHECKING:
     from rlmesh.services.config import LoRASection
@@ -36,7 +37,7 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 class FSDP2Backend:
     def __init__(self, model_path: str, *, lr: float, weight_decay: float, max_grad_norm: float,
-                 param_dtype: str = "float32", seed: int = 0, lora: LoRASection | None = None) -> None:
+                 param_dtype: str = default(FSDP2BackendSection, "param_dtype"), seed: int = 0, lora: LoRASection | None = None) -> None:
         self.rank, self.world_size = init_distributed()
         self.dp_rank, self.dp_size = self.rank, self.world_size  # FSDP2 shards only: every rank is a replica
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -91,12 +92,12 @@ class FSDP2Backend:
         return logprobs_N.new_zeros(b * (t - 1)).index_put((sp.dst_N.to(d),), logprobs_N).view(b, t - 1)
 
     @torch.no_grad()
-    def compute_logprobs(self, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+    def compute_logprobs(self, micro: MicroBatch, temperature: float = default(RolloutSection, "temperature")) -> torch.Tensor:
         self.model.eval()
         return self._logprobs(micro, temperature).cpu()
 
     @torch.no_grad()
-    def reference_logprobs(self, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+    def reference_logprobs(self, micro: MicroBatch, temperature: float = default(RolloutSection, "temperature")) -> torch.Tensor:
         if self.reference is None:
             # The starting model again, sharded the same way, without gradients or optimizer state;
             # after a resume it is rebuilt from the same path, so it stays the run's starting policy.
@@ -108,7 +109,7 @@ class FSDP2Backend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = default(RolloutSection, "temperature")) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}

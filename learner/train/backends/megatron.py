@@ -42,6 +42,7 @@ from rlmesh.learner.train.backends.base import LossFn
 from rlmesh.learner.train.batch import MicroBatch
 from rlmesh.learner.train.distributed import init_distributed
 from rlmesh.services.weights.wire import TensorMeta
+from rlmesh.services.config import MegatronBackendSection, RolloutSection, default
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -189,7 +190,7 @@ def _read_hf_tensors(model_path: str, names: set[str]) -> dict[str, torch.Tensor
 
 class MegatronBackend:
     def __init__(self, model_path: str, *, tensor_parallel: int, pipeline_parallel: int, lr: float,
-                 weight_decay: float, max_grad_norm: float, param_dtype: str = "float32", seed: int = 0) -> None:
+                 weight_decay: float, max_grad_norm: float, param_dtype: str = default(MegatronBackendSection, "param_dtype"), seed: int = 0) -> None:
         self.rank, self.world_size = init_distributed()
         tp, pp = tensor_parallel, pipeline_parallel
         if self.world_size == 1 and tp * pp > 1:
@@ -333,7 +334,7 @@ class MegatronBackend:
                                     forward_only=forward_only)
 
     @torch.no_grad()
-    def compute_logprobs(self, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+    def compute_logprobs(self, micro: MicroBatch, temperature: float = default(RolloutSection, "temperature")) -> torch.Tensor:
         self.model.eval()
         out = torch.empty((micro.input_ids_BT.shape[0], micro.input_ids_BT.shape[1] - 1), device=self.device)
 
@@ -351,7 +352,7 @@ class MegatronBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = default(RolloutSection, "temperature")) -> dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
 
         self.model.train()

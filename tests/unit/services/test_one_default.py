@@ -20,7 +20,6 @@ FOLDERS = ("services", "learner", "rollout_server", "reward_server", "entrypoint
 
 # (file, parameter): why it stays for now.
 SAME_NAME_ONLY = "shares a name with a setting but means another thing"
-NOT_YET = "a restatement not removed yet"
 STDLIB_ONLY = "module runs on the standard library alone (no config import)"
 KNOWN = {
     ("learner/train/batch.py", "rank"): SAME_NAME_ONLY + " (a process rank, not learner.lora.rank)",
@@ -32,17 +31,7 @@ KNOWN = {
     ("services/ports.py", "host"): SAME_NAME_ONLY + " (the interface a free port is looked for on)",
     ("services/grpc_server.py", "port"): SAME_NAME_ONLY + " (0: any free port)",
     ("reward_server/sandbox.py", "max_concurrency"): STDLIB_ONLY,
-    ("services/telemetry.py", "level"): NOT_YET,
-    ("services/telemetry.py", "trace_file"): NOT_YET,
-    ("services/auth.py", "token_env"): NOT_YET,
-    ("services/auth.py", "server_name_is_tier"): NOT_YET,
-    ("services/grpc_server.py", "host"): NOT_YET,
-    ("services/grpc_server.py", "insecure"): NOT_YET,
     ("learner/stop.py", "timeout_s"): SAME_NAME_ONLY + " (how long to wait for callbacks, not weight_sync.timeout_s)",
-    ("learner/train/backends/megatron.py", "param_dtype"): NOT_YET,
-    ("learner/train/backends/megatron.py", "temperature"): NOT_YET,
-    ("learner/train/backends/fsdp2.py", "param_dtype"): NOT_YET,
-    ("learner/train/backends/fsdp2.py", "temperature"): NOT_YET,
 }
 
 
