@@ -49,7 +49,7 @@ def environment(config: RunConfig) -> Any:
     `math` with its reward.math settings, another built-in, or a reward.functions entry."""
     from rlmesh.reward_server.function_workers import WorkerLimits
     from rlmesh.reward_server.environments.math import MathEnvironment
-    from rlmesh.reward_server.service import BUILTIN, load_environment
+    from rlmesh.reward_server.registry import BUILTIN, load_environment
 
     name = config.data.env_name
     if name == "math":

@@ -20,7 +20,8 @@ from rlmesh.reward_server.limits import RequestLimits
 from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
 from rlmesh.reward_server.environments.function import FunctionEnvironment
 from rlmesh.reward_server.function_workers import WorkerLimits
-from rlmesh.reward_server.service import BUILTIN, RewardService
+from rlmesh.reward_server.registry import BUILTIN
+from rlmesh.reward_server.service import RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.services.auth import ANY, Policy, TLSFiles, load_token
 from rlmesh.services.config import RunConfig

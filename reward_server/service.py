@@ -1,4 +1,5 @@
-"""Reward servicer: protobuf <-> environment calls.
+"""Reward servicer: protobuf <-> environment calls (which environments exist, and how one is loaded:
+`rlmesh.reward_server.registry`).
 
 Local environments (built-in ones and user functions) run through an `EnvRunner` each: a bounded
 pool of worker threads with a timeout, so a hung or slow environment fails its own items and never
@@ -33,16 +34,11 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.reward_server.environments.agent import AgentEnvironment
-from rlmesh.reward_server.environments.arithmetic import ArithmeticEnvironment
-from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi_turn, load_callable, nonfinite_error
-from rlmesh.reward_server.environments.calculator import CalculatorEnvironment
+from rlmesh.reward_server.environments.base import Message, ScoreInput, is_multi_turn, nonfinite_error
 from rlmesh.reward_server.environments.function import FunctionEnvironment
 from rlmesh.reward_server.function_workers import WorkerLimits
-from rlmesh.reward_server.environments.guess_number import GuessNumberEnvironment
-from rlmesh.reward_server.environments.math import MathEnvironment
-from rlmesh.reward_server.environments.reasoning_gym import ReasoningGymEnvironment
-from rlmesh.reward_server.environments.textarena import TextArenaEnvironment
 from rlmesh.reward_server.limits import RequestLimits
+from rlmesh.reward_server.registry import BUILTIN, kind_of, load_environment
 from rlmesh.reward_server.remote import RemoteEnvironment
 from rlmesh.reward_server.runner import EnvironmentTimeout, EnvRunner
 from rlmesh.reward_server.session_stream import serve_session
@@ -54,9 +50,6 @@ from rlmesh.services.domain.chat import as_dicts as to_messages
 
 log = logging.getLogger(__name__)
 
-BUILTIN = {"arithmetic": ArithmeticEnvironment, "guess_number": GuessNumberEnvironment,
-           "calculator": CalculatorEnvironment, "math": MathEnvironment, "reasoning_gym": ReasoningGymEnvironment,
-           "textarena": TextArenaEnvironment}
 # Share of the caller's remaining deadline given to the environment, so that per-item errors get
 # back to the caller before its own deadline ends the whole call.
 _DEADLINE_SHARE = 0.9
@@ -71,26 +64,6 @@ def to_proto_messages(env_name: str, messages: list[Message]) -> list[common_pb2
     except (TypeError, ValueError) as err:
         raise SessionError("INTERNAL", f"environment {env_name!r} returned a malformed message ({err}); messages "
                                        "are dicts of role, content, name, tool_call_id strings") from None
-
-
-def load_environment(name: str, path: str, function_limits: WorkerLimits) -> Any:
-    """`module:function` is a single-turn reward function, run in worker processes under
-    `function_limits` (its module is imported there, never in this process); `module:Class` (with
-    reset and step) is a multi-turn environment, constructed without arguments in this process."""
-    function = FunctionEnvironment(name, path, function_limits)
-    if not function.workers.multi_turn:
-        return function
-    function.close()
-    env = load_callable(path)()
-    env.name = name
-    env.description = getattr(env, "description", "") or f"multi-turn environment {path}"
-    return env
-
-
-def _kind(env: Any) -> str:
-    if isinstance(env, AgentEnvironment):
-        return "agent"
-    return "multi_turn" if is_multi_turn(env) else "single_turn"
 
 
 def caller(context: grpc.aio.ServicerContext) -> str:
@@ -175,7 +148,7 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         return remote.info()
 
     def environments(self) -> list[reward_pb2.EnvironmentInfo]:
-        infos = [reward_pb2.EnvironmentInfo(name=n, kind=_kind(e), description=e.description)
+        infos = [reward_pb2.EnvironmentInfo(name=n, kind=kind_of(e), description=e.description)
                  for n, e in sorted(self.local.items())]
         return infos + [r.info() for _, r in sorted(self.remote.items())]
 

@@ -9,7 +9,7 @@ import pytest
 import rlmesh.reward_server.environments.reasoning_gym as rg_env
 from rlmesh.reward_server.environments.base import ScoreInput
 from rlmesh.reward_server.environments.reasoning_gym import ReasoningGymEnvironment
-from rlmesh.reward_server.service import BUILTIN
+from rlmesh.reward_server.registry import BUILTIN
 from rlmesh.services.domain.tasks import reasoning_gym_metadata
 
 ENTRY = {"question": "Calculate 3 + 4.", "answer": "7",
