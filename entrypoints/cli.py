@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--placeholder-model", default=None, metavar="DIR",
                          help="load this model instead of model.path and serve nothing until the learner's first "
                               "weights arrive (rlmesh up: the model before the SFT warm start, while SFT runs)")
+    rollout.add_argument("--await-model", type=float, default=None, metavar="SECONDS",
+                         help="wait up to SECONDS for the model directory to appear, importing vLLM meanwhile "
+                              "(rlmesh up: started beside the process that writes it)")
 
     reward = sub.add_parser("reward", help="run a reward server (environments)")
     _add_config_args(reward)

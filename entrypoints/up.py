@@ -30,6 +30,9 @@ from rlmesh.services.retry import Backoff
 log = logging.getLogger("rlmesh.up")
 # 1, 2, 4, ... 30 s between restarts of a crashed service (exact: the message says when).
 RESTART_BACKOFF = Backoff(1.0, 30.0, jitter=0.0)
+# How long an early rollout server waits for the model being prepared (`--await-model`); a preparation that
+# fails stops the launch first, naming it.
+AWAIT_MODEL_S = 600
 
 
 def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | None = None,
@@ -155,15 +158,17 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
         for i in range(config.rollout.num_servers):
             mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}", *extra])
 
-    if placeholder is not None:
-        if config.model.type == "tiny":
-            _wait_prepared(mesh, prep, config, lambda: Path(placeholder).exists(), f"writing {placeholder}")
-        spawn_rollouts(["--placeholder-model", placeholder])
+    # Rollout servers that load a model being written (the tiny model, alone or as SFT's starting point)
+    # start now: vLLM's import overlaps the writing, and they load the model once it is in place.
+    early = placeholder is not None or (prep is not None and config.sft.num_steps == 0)
+    if early:
+        spawn_rollouts([*(["--placeholder-model", placeholder] if placeholder else []), "--await-model",
+                        str(AWAIT_MODEL_S)])
     if prep is not None:
         _wait_prepared(mesh, prep, config, lambda: prep.proc.poll() == 0, "the policy")
     learner = mesh.spawn("learner", ["learner", *base, "--run-dir", str(run_dir), "--port", str(learner_port)],
                          launcher=torchrun_args(config))
-    if placeholder is None:
+    if not early:
         spawn_rollouts([])
 
     _wait_serving(mesh, config.network, {"reward": reward_port, "learner": learner_port})

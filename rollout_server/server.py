@@ -144,12 +144,31 @@ async def serve(config: RunConfig, args: argparse.Namespace) -> None:
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_config(config.network, "rollout")
     check_can_serve(config.network.host, token=token, tls=tls, insecure=config.network.insecure)  # before vLLM loads
+    if getattr(args, "await_model", None):
+        await_model(getattr(args, "placeholder_model", None) or model_path(config), args.await_model, log)
     from rlmesh.services.precision import resolve_precision
 
     config = resolve_precision(config)  # rollout.dtype=learner: serve in the learner's compute dtype
     receiver = build_receiver(config.weight_sync)
     generator = await start_engine(config, args, receiver.engine)
     await run(await build(config, args, generator, receiver, token, tls, log), log)
+
+
+def await_model(path: str, timeout_s: float, log: logging.Logger) -> None:
+    """`--await-model`: `rlmesh up` starts this server beside the process that writes the model it loads
+    first (the tiny model, or the model before the SFT warm start; written beside and renamed into place).
+    vLLM's import (~11 s of one core) runs meanwhile instead of after; then this waits for the directory.
+    It blocks the event loop, which has nothing else to run yet."""
+    if Path(path).exists():
+        return
+    log.info("waiting up to %.0f s for %s (the model rlmesh up is preparing); importing vLLM meanwhile", timeout_s, path)
+    import vllm.v1.engine.async_llm  # noqa: F401  (what VLLMEngine.start imports)
+
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rlmesh rollout: {path} did not appear within --await-model {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 async def start_engine(config: RunConfig, args: argparse.Namespace, weight_engine: str) -> VLLMGenerator:
@@ -289,7 +308,7 @@ def main(config: RunConfig, args: argparse.Namespace) -> int:
     # A model in a local directory needs no hub: offline, vLLM's start skips look-ups that cannot
     # succeed without one (~18 s a start where no hub is reachable). Set before huggingface_hub loads.
     path = getattr(args, "placeholder_model", None) or getattr(config.model, "path", "")
-    if path and Path(path).is_dir():
+    if path and (Path(path).is_dir() or getattr(args, "await_model", None)):  # awaited: a local directory
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     uvloop.run(serve(config, args))
     return 0
