@@ -188,6 +188,17 @@ def table(record: dict) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
+def stand_in_cores(config: RunConfig) -> str:
+    """The rollout server's cores beside a stand-in learner, which trains nothing: the run's rollout and
+    learner cores together where both are listed (the demo's '0' and '1' -> '0,1'), else the run's own."""
+    from rlmesh.services.affinity import parse_cores
+
+    rollout, learner = config.rollout.cpu_cores, config.learner.cpu_cores
+    if "auto" in (rollout, learner):
+        return rollout
+    return ",".join(str(c) for c in sorted(parse_cores(rollout) | parse_cores(learner)))
+
+
 def _serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: Path, timeout_s: float,
                     body: Body, what: str) -> dict:
     """Start the reward and rollout servers for `resolved.model`, then run `body` in place of the
@@ -203,6 +214,7 @@ def _serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: 
     resolved.network.learner_address = f"{host}:{learner_port}"
     resolved.network.reward_address = f"{host}:{reward_port}"
     resolved.reward.env_processes = []
+    resolved.rollout.cpu_cores = stand_in_cores(config)
     dump_config(resolved, output / "config.resolved.yaml")
     base = ["-c", str(output / "config.resolved.yaml")]
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
