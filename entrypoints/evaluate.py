@@ -194,7 +194,7 @@ def stand_in_cores(config: RunConfig) -> str:
     from rlmesh.services.affinity import parse_cores
 
     rollout, learner = config.rollout.cpu_cores, config.learner.cpu_cores
-    if "auto" in (rollout, learner):
+    if {rollout, learner} & {"auto", "nobind"}:
         return rollout
     return ",".join(str(c) for c in sorted(parse_cores(rollout) | parse_cores(learner)))
 

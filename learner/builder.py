@@ -190,6 +190,7 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     port = args.port if args.port is not None else int(config.network.learner_address.rsplit(":", 1)[1])
     controller, server = await build_controller(config, run_dir, port)
+    code = 1
     try:
         summary = await controller.train()
         from rlmesh.learner.metrics import plot_reward_curve
@@ -197,12 +198,41 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
         if (png := plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")) is not None:
             controller.metrics.log_image("reward_curve", png, controller.version)
         log.info("done: %s", json.dumps(summary))
+        code = 0
+    except RunStalled:
+        code = STALLED_EXIT
+        raise
     finally:
         await controller._torch(controller.trainer.stop)
         controller.metrics.close()
         controller.trained_log.close()
         controller.dropped_log.close()
         await server.stop(2.0)
+        exit_if_held(EXIT_GRACE_S, code)
+
+
+EXIT_GRACE_S = 30.0
+
+
+def exit_if_held(grace_s: float, code: int) -> None:
+    """Once the run's outputs are written and closed, nothing may keep the learner alive: a thread
+    stuck in a transfer to a rollout server that has gone (a gloo call has no cancel) would hold the
+    interpreter's exit, which waits for every worker thread, forever (seen once in the compose test:
+    "done" logged, the container up minutes later). After `grace_s` the live threads' stacks go to the
+    log and the process exits with `code`."""
+    import faulthandler
+    import threading
+    import time
+
+    def watch() -> None:
+        time.sleep(grace_s)
+        log.error("the run ended %.0f s ago but a thread still holds the process; exiting with %d. Threads:",
+                  grace_s, code)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        logging.shutdown()
+        os._exit(code)
+
+    threading.Thread(target=watch, name="exit-watch", daemon=True).start()
 
 
 def follow(config: RunConfig) -> None:

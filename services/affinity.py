@@ -20,8 +20,8 @@ def parse_cores(spec: str) -> set[int]:
 
 def pin_to_cores(spec: str, setting: str) -> None:
     """Pin this process, and every thread and child it starts later, to the cores in `spec`;
-    'auto' leaves it alone. `setting` names the config field in errors."""
-    if spec == "auto":
+    'auto' and 'nobind' (rollout.cpu_cores) leave it alone. `setting` names the config field in errors."""
+    if spec in ("auto", "nobind"):
         return
     cores, available = parse_cores(spec), os.sched_getaffinity(0)
     if not cores <= available:

@@ -26,3 +26,5 @@ def _int_as_text(value: object) -> object:
 # int, taken as its text. CoreList: '1', '0-3' or '1-3,6', or 'auto' (not pinned).
 CoreText = Annotated[str, BeforeValidator(_int_as_text)]
 CoreList = Annotated[CoreText, StringConstraints(pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")]
+# The rollout server's cores: a CoreList, or 'nobind' (vLLM's threads bound to no core).
+RolloutCores = Annotated[CoreText, StringConstraints(pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")]

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from rlmesh.services.config.base import CoreText, Section
+from rlmesh.services.config.base import RolloutCores, Section
 
 
 class EpisodeSection(Section):
@@ -74,8 +74,8 @@ class RolloutSection(Section):
     """Tokens per KV-cache block (vLLM's default where unset: 128 on CPU, 16 on GPU; CPU needs a multiple of 32). Prefix caching reuses full blocks only: a block smaller than the prompt lets a group's samples share it."""
     kv_cache_gib: int = Field(1, ge=1)
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    cpu_cores: CoreText = "auto"
-    """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND): '0', '0-3' or 'auto'."""
+    cpu_cores: RolloutCores = "auto"
+    """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND), the whole server pinned to them: '0', '0-3', 'auto' (vLLM picks; nothing pinned) or 'nobind' (no binding, nothing pinned: the kernel places the threads). 'nobind' suits replicas sharing a host without a cpuset of their own (compose's `--scale rollout=N`), where 'auto' binds every replica to the same core."""
     episode: EpisodeSection = EpisodeSection()
     """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""
     agent_endpoint: AgentEndpointSection = AgentEndpointSection()

@@ -16,6 +16,8 @@ def test_pins_to_the_named_cores_and_auto_leaves_them(restore_affinity):
     first = min(restore_affinity)
     pin_to_cores("auto", "learner.cpu_cores")
     assert os.sched_getaffinity(0) == restore_affinity
+    pin_to_cores("nobind", "rollout.cpu_cores")
+    assert os.sched_getaffinity(0) == restore_affinity
     pin_to_cores(f"{first}-{first}", "learner.cpu_cores")
     assert os.sched_getaffinity(0) == {first}
 

@@ -33,6 +33,11 @@ def test_a_core_given_as_a_number_on_the_command_line_is_a_core_list():
     assert (cfg.rollout.cpu_cores, cfg.learner.cpu_cores) == ("0", "1")
     with pytest.raises(ConfigError, match="learner.cpu_cores"):
         load_config(None, ["learner.cpu_cores=first"])
+    # The rollout server may also leave vLLM's threads unbound; the learner has no such setting.
+    assert load_config(None, ["rollout.cpu_cores=nobind"]).rollout.cpu_cores == "nobind"
+    for bad in ("rollout.cpu_cores=first", "learner.cpu_cores=nobind"):
+        with pytest.raises(ConfigError, match=bad.partition("=")[0]):
+            load_config(None, [bad])
 
 
 def test_unknown_key_names_field_and_allowed_keys():
