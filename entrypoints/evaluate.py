@@ -191,10 +191,10 @@ def table(record: dict) -> str:
 def stand_in_cores(config: RunConfig) -> str:
     """The rollout server's cores beside a stand-in learner, which trains nothing: the run's rollout and
     learner cores together where both are listed (the demo's '0' and '1' -> '0,1'), else the run's own."""
-    from rlmesh.services.affinity import parse_cores
+    from rlmesh.services.affinity import UNPINNED, parse_cores
 
     rollout, learner = config.rollout.cpu_cores, config.learner.cpu_cores
-    if {rollout, learner} & {"auto", "nobind"}:
+    if {rollout, learner} & set(UNPINNED):
         return rollout
     return ",".join(str(c) for c in sorted(parse_cores(rollout) | parse_cores(learner)))
 

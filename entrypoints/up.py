@@ -30,8 +30,7 @@ from rlmesh.services.retry import Backoff
 log = logging.getLogger("rlmesh.up")
 # 1, 2, 4, ... 30 s between restarts of a crashed service (exact: the message says when).
 RESTART_BACKOFF = Backoff(1.0, 30.0, jitter=0.0)
-# How long an early rollout server waits for the model being prepared (`--await-model`); a preparation that
-# fails stops the launch first, naming it.
+# An early rollout server's wait for the model being prepared (`--await-model`); a failed preparation stops the launch.
 AWAIT_MODEL_S = 600
 
 
@@ -158,8 +157,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
         for i in range(config.rollout.num_servers):
             mesh.spawn(f"rollout-{i}", ["rollout", *base, "--port", "0", "--generator-id", f"rollout-{i}", *extra])
 
-    # Rollout servers that load a model being written (the tiny model, alone or as SFT's starting point)
-    # start now: vLLM's import overlaps the writing, and they load the model once it is in place.
+    # Servers loading a model being written (tiny, or SFT's start) start now: vLLM's import overlaps the writing.
     early = placeholder is not None or (prep is not None and config.sft.num_steps == 0)
     if early:
         spawn_rollouts([*(["--placeholder-model", placeholder] if placeholder else []), "--await-model",

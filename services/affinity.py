@@ -18,10 +18,14 @@ def parse_cores(spec: str) -> set[int]:
     return cores
 
 
+UNPINNED = ("auto", "nobind")
+"""Core settings that pin nothing ('nobind': rollout.cpu_cores only)."""
+
+
 def pin_to_cores(spec: str, setting: str) -> None:
     """Pin this process, and every thread and child it starts later, to the cores in `spec`;
     'auto' and 'nobind' (rollout.cpu_cores) leave it alone. `setting` names the config field in errors."""
-    if spec in ("auto", "nobind"):
+    if spec in UNPINNED:
         return
     cores, available = parse_cores(spec), os.sched_getaffinity(0)
     if not cores <= available:

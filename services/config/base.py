@@ -25,6 +25,7 @@ def _int_as_text(value: object) -> object:
 # A CPU core setting: a single core given on the command line (`rollout.cpu_cores=0`) parses as a YAML
 # int, taken as its text. CoreList: '1', '0-3' or '1-3,6', or 'auto' (not pinned).
 CoreText = Annotated[str, BeforeValidator(_int_as_text)]
-CoreList = Annotated[CoreText, StringConstraints(pattern=r"^(auto|\d+(-\d+)?(,\d+(-\d+)?)*)$")]
+_CORES = r"\d+(-\d+)?(,\d+(-\d+)?)*"
+CoreList = Annotated[CoreText, StringConstraints(pattern=rf"^(auto|{_CORES})$")]
 # The rollout server's cores: a CoreList, or 'nobind' (vLLM's threads bound to no core).
-RolloutCores = Annotated[CoreText, StringConstraints(pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")]
+RolloutCores = Annotated[CoreText, StringConstraints(pattern=rf"^(auto|nobind|{_CORES})$")]
