@@ -5,7 +5,8 @@ control plane that admits the rollout server at version 0 (the weights it loaded
 prompts go through the prompt stream exactly as the learner's evaluations do (the same
 `Evaluator`: a greedy completion per prompt, and `learner.eval_num_samples` sampled ones when
 `learner.eval_pass_k` is set), so multi-turn environments and remote ones work as in training.
-Prints a table per environment and writes `eval.json` to the output directory."""
+Prints a table per environment and writes `eval.json` (and the first greedy answers,
+`eval_samples.jsonl`) to the output directory."""
 
 from __future__ import annotations
 
@@ -119,14 +120,21 @@ class StandIn:
 Body = Callable[[StandIn], Awaitable[dict]]
 
 
-async def _held_out(stand_in: StandIn, config: RunConfig, timeout_s: float) -> dict:
-    """`rlmesh eval`'s work: one evaluation of the held-out set."""
+async def _held_out(stand_in: StandIn, config: RunConfig, timeout_s: float, output: Path) -> dict:
+    """`rlmesh eval`'s work: one evaluation of the held-out set (its first answers to eval_samples.jsonl)."""
     from rlmesh.learner.evaluator import Evaluator
+    from rlmesh.learner.metrics import MetricsWriter
 
+    samples = MetricsWriter(output, "eval_samples.jsonl") if config.logging.eval_samples else None
     evaluator = Evaluator(stand_in.eval_set, stand_in.issuer, stand_in.reader.trajectories, _Records(),
                           check=lambda group, version: "", timeout_s=timeout_s, pass_k=config.learner.eval_pass_k,
-                          num_samples=config.learner.eval_num_samples)
-    return await evaluator.run(0, [], stand_in.reader.read)
+                          num_samples=config.learner.eval_num_samples, samples=samples,
+                          samples_per_round=config.logging.eval_samples)
+    try:
+        return await evaluator.run(0, [], stand_in.reader.read)
+    finally:
+        if samples is not None:
+            samples.close()
 
 
 async def _stand_in(config: RunConfig, port: int, timeout_s: float, mesh: Mesh, output: Path, body: Body) -> dict:
@@ -260,7 +268,7 @@ def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
     resolved.sft.num_steps = 0
     what = f"{model} on {len(config.learner.eval_pass_k) and 'greedy + pass@k' or 'greedy'}"
     code, record = run_stand_in("eval", config, resolved, output, args.timeout,
-                                lambda stand_in: _held_out(stand_in, config, args.timeout), what)
+                                lambda stand_in: _held_out(stand_in, config, args.timeout, output), what)
     if record is None:
         return code
     record = {**record, "model": str(model), "config": str(args.config)}

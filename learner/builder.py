@@ -125,7 +125,9 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
                               membership=membership, metrics=metrics, watch=watch)
     evaluator = Evaluator(eval_set, issuer, trajectories, metrics, check=admission.check,
-                          pass_k=cfg.learner.eval_pass_k, num_samples=cfg.learner.eval_num_samples)
+                          pass_k=cfg.learner.eval_pass_k, num_samples=cfg.learner.eval_num_samples,
+                          samples=MetricsWriter(run_dir, "eval_samples.jsonl") if cfg.logging.eval_samples else None,
+                          samples_per_round=cfg.logging.eval_samples)
     controller = Controller(cfg, run_dir, Components(
         run_id=run_id, run_torch=run_torch, prompts=prompts, trajectories=trajectories, trainer=trainer,
         weights=weights, membership=membership, broadcaster=broadcaster, issuer=issuer, admission=admission,

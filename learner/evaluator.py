@@ -65,6 +65,15 @@ def episode_stats(samples: list[common_pb2.Sample]) -> dict[str, float]:
     return out
 
 
+def answer_row(version: int, group: common_pb2.TrajectoryGroup, sample: common_pb2.Sample) -> dict:
+    """One greedy held-out answer as eval_samples.jsonl holds it."""
+    prompt = group.prompt.messages[-1].content if group.prompt.messages else ""
+    return {"kind": "eval_sample", "version": version, "group_id": group.group_id, "env": group.prompt.env_name,
+            "prompt": prompt, "completion": sample.text, "reward": sample.reward, "correct": solved(sample),
+            "finish_reason": sample.finish_reason, "num_tokens": len(sample.completion.token_ids),
+            "error": sample.error}
+
+
 @dataclass
 class Round:
     """One evaluation of the eval set, started at `version`."""
@@ -74,6 +83,7 @@ class Round:
     t0: float = field(default_factory=time.monotonic)
     results: list[common_pb2.Sample] = field(default_factory=list)
     envs: list[str] = field(default_factory=list)  # the environment of each greedy result
+    answers: dict[int, dict] = field(default_factory=dict)  # eval-set index -> the row eval_samples.jsonl gets
     sampled: list[tuple[str, int, int]] = field(default_factory=list)  # pass@k: (environment, n, correct)
     record: dict | None = None  # set when the last group is back
 
@@ -87,9 +97,11 @@ class Evaluator:
     def __init__(self, eval_set: list[Example], issuer: PromptIssuer, trajectories: StreamQueue,
                  metrics: MetricsWriter, *,
                  check: Callable[[common_pb2.TrajectoryGroup, int], str], timeout_s: float = 600.0,
-                 pass_k: list[int] | None = None, num_samples: int | None = None) -> None:
+                 pass_k: list[int] | None = None, num_samples: int | None = None,
+                 samples: MetricsWriter | None = None, samples_per_round: int = 0) -> None:
         """`check(group, version)` says why an eval group of an open round is malformed (or ""),
-        with the learner at `version`: such a group counts in its round as a failed answer."""
+        with the learner at `version`: such a group counts in its round as a failed answer.
+        `samples`: where the first `samples_per_round` greedy answers of each round are written."""
         self.eval_set, self.issuer, self.trajectories = eval_set, issuer, trajectories
         self.metrics = metrics
         self.check = check
@@ -100,13 +112,17 @@ class Evaluator:
         self.num_samples = num_samples or max(self.pass_k, default=0)
         self.sampled_ids: set[str] = set()
         self.rounds: dict[str, Round] = {}  # eval group id -> its open round
+        self.samples, self.samples_per_round = samples, samples_per_round if samples is not None else 0
+        self.position: dict[str, int] = {}  # greedy eval group id -> its prompt's index in the eval set
 
     async def start(self, version: int) -> Round:
         rnd = Round(version, len(self.eval_set) * (2 if self.pass_k else 1))
-        for ex in self.eval_set:
+        for i, ex in enumerate(self.eval_set):
             group = self.issuer.prompt_group(ex, "eval", 1, version, greedy=True)
             await self.issuer.publish(group)
             self.rounds[group.group_id] = rnd
+            if i < self.samples_per_round:
+                self.position[group.group_id] = i
             if self.pass_k:
                 sampled = self.issuer.prompt_group(ex, "eval", self.num_samples, version, greedy=False)
                 await self.issuer.publish(sampled)
@@ -135,6 +151,8 @@ class Evaluator:
         else:
             rnd.results.append(common_pb2.Sample(error=f"dropped: {reason}") if reason else group.samples[0])
             rnd.envs.append(group.prompt.env_name)
+            if (i := self.position.pop(group.group_id, None)) is not None:
+                rnd.answers[i] = answer_row(rnd.version, group, rnd.results[-1])
         return self._finish(rnd) if len(rnd.results) + len(rnd.sampled) == rnd.size else None
 
     async def run(self, version: int, held_back: Arrivals, read: Callable[[int], Awaitable[Arrivals]]) -> dict:
@@ -174,6 +192,9 @@ class Evaluator:
         if self.pass_k:
             rnd.record.update(self._pass_at_k(rnd))
         self.metrics.write(rnd.record)
+        if self.samples is not None:
+            for i in sorted(rnd.answers):
+                self.samples.write(rnd.answers[i])
         if self.first is None:
             self.first = rnd.record
         return rnd.record

@@ -3,6 +3,7 @@ algorithm and checkpointing."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
@@ -117,6 +118,23 @@ class LearnerSection(Section):
     """Seconds a train group whose copies so far all came back malformed waits for a well-formed one before it is issued again under a fresh id (the old id is retired: a late copy of it is dropped, never trained)."""
     lora: LoRASection = LoRASection()
     """LoRA (peft) on the FSDP2 backend: only the adapter trains, and each weight update ships only the adapter."""
+    freeze: list[str] = []
+    """Parameters that stay as loaded (fsdp2 backend): regular expressions searched in the Hugging Face parameter names, e.g. ["embed_tokens"] to keep a large-vocabulary model's embedding (and a tied output layer, the same matrix) fixed while the rest trains. A pattern that matches nothing is an error at start."""
+
+    @model_validator(mode="after")
+    def _freeze_fits(self) -> LearnerSection:
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"learner.freeze: {pattern!r} is not a regular expression ({err})") from err
+        if self.freeze and self.lora.rank:
+            raise ValueError("learner.freeze with learner.lora.rank > 0: LoRA already trains the adapter alone; "
+                             "drop one of them")
+        if self.freeze and self.backend.type != "fsdp2":
+            raise ValueError(f"learner.freeze is built for the fsdp2 backend (learner.backend.type={self.backend.type}); "
+                             "use learner.backend.type=fsdp2 or learner.freeze=[]")
+        return self
 
 
 class SFTSection(Section):

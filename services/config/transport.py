@@ -137,5 +137,7 @@ class LoggingSection(Section):
     """Also serve vLLM's own `vllm:*` series on the rollout servers' /metrics (latency histograms per request; costs front-end CPU every engine step)."""
     trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of prompt groups traced, decided where a group's trace starts and followed by every tier (the SDK's OTEL_TRACES_SAMPLER overrides)."""
+    eval_samples: int = Field(16, ge=0)
+    """Greedy held-out answers written per evaluation to `<run_dir>/eval_samples.jsonl` (the prompt's last message, the completion's text, reward, verdict, finish reason), the first N in the eval set's order: what the model actually wrote, for when accuracy looks wrong (0: none)."""
     trace_file: bool = False
     """Also write every span as one JSON object per line to `<run_dir>/traces/<service>-<pid>.jsonl` (OTLP is used when OTEL_EXPORTER_OTLP_ENDPOINT is set)."""

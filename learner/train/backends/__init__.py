@@ -17,7 +17,7 @@ def build_backend(cfg: LearnerSection, model_path: str, *, seed: int, lr: float 
 
         return FSDP2Backend(model_path, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
                             max_grad_norm=cfg.max_grad_norm, param_dtype=param_dtype, seed=seed,
-                            lora=cfg.lora)
+                            lora=cfg.lora, freeze=cfg.freeze)
     if cfg.backend.type == "megatron":
         if cfg.lora.rank:
             raise ValueError(f"learner.lora.rank={cfg.lora.rank}: LoRA is built for the fsdp2 backend only; use "

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rlmesh.learner.train import freeze as frozen
 from rlmesh.learner.train import lora as adapters
 from rlmesh.learner.train.backends.base import LossFn
 from rlmesh.learner.train.batch import MicroBatch
@@ -37,7 +38,8 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 class FSDP2Backend:
     def __init__(self, model_path: str, *, lr: float, weight_decay: float, max_grad_norm: float,
-                 param_dtype: str = default(FSDP2BackendSection, "param_dtype"), seed: int = 0, lora: LoRASection | None = None) -> None:
+                 param_dtype: str = default(FSDP2BackendSection, "param_dtype"), seed: int = 0, lora: LoRASection | None = None,
+                 freeze: list[str] | None = None) -> None:
         self.rank, self.world_size = init_distributed()
         self.dp_rank, self.dp_size = self.rank, self.world_size  # FSDP2 shards only: every rank is a replica
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -45,20 +47,21 @@ class FSDP2Backend:
         self.model_path, self.param_dtype = model_path, param_dtype
         # learner.lora: peft wraps the model before sharding; only the adapter trains and is broadcast.
         self.lora = lora if lora is not None and lora.rank else None
-        self.model = model = self._sharded_model(self.lora)
+        self.model = model = self._sharded_model(self.lora, freeze or [])
         # The KL penalty's frozen reference policy: built on first use (algorithm.kl.coef > 0).
         self.reference: torch.nn.Module | None = None
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                                            weight_decay=weight_decay)
 
-    def _sharded_model(self, lora: LoRASection | None = None) -> torch.nn.Module:
+    def _sharded_model(self, lora: LoRASection | None = None, freeze: list[str] | None = None) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.to(self.device)
         if lora is not None:
             model = adapters.wrap(model, lora)
+        frozen.freeze(model, freeze or [])
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.param_dtype), reduce_dtype=torch.float32)
         for layer in adapters.decoder_layers(model):
             fully_shard(layer, mp_policy=mp)

@@ -149,3 +149,34 @@ def test_a_failed_answer_adds_no_versions_to_the_round():
 
     record = asyncio.run(scenario())
     assert record["num_errors"] == 1 and record["generated_at_versions"] == [10, 10], record
+
+
+def test_the_first_answers_of_each_round_are_written_in_eval_set_order():
+    """logging.eval_samples: the first N greedy answers of a round (by the eval set's order, whatever
+    order they come back in), with the prompt's text, the completion's text and the verdict."""
+    answers = [sample(1.0, "stop", 1.0), sample(0.0, "length", 0.0), sample(1.0, "stop", 1.0)]
+    for i, s in enumerate(answers):
+        s.text = f"answer {i}"
+        s.completion.token_ids.extend(range(i + 2))
+    issuer = Issuer(answers)
+
+    def prompt_group(ex, split, n, version, greedy):
+        msg = common_pb2.ChatMessage(role="user", content=f"question {len(issuer.published)}")
+        return common_pb2.TrajectoryGroup(group_id=f"g{len(issuer.published)}", prompt=common_pb2.PromptGroup(
+            split=split, env_name="math", messages=[msg]))
+
+    issuer.prompt_group = prompt_group
+
+    async def read(version):
+        out, issuer.published[:] = [(SimpleNamespace(id=g.group_id), g) for g in reversed(issuer.published)], []
+        return out
+
+    metrics, rows = [], []
+    evaluator = Evaluator([EXAMPLE] * 3, issuer, SimpleNamespace(ack=lambda entry_id: asyncio.sleep(0)),
+                          SimpleNamespace(write=metrics.append), check=lambda group, version: "",
+                          samples=SimpleNamespace(write=rows.append), samples_per_round=2)
+    record = asyncio.run(evaluator.run(4, [], read))
+    assert record["accuracy"] == 2 / 3 and metrics == [record]
+    assert [(r["prompt"], r["completion"], r["correct"], r["finish_reason"], r["num_tokens"]) for r in rows] == [
+        ("question 0", "answer 0", True, "stop", 2), ("question 1", "answer 1", False, "length", 3)]
+    assert all(r["version"] == 4 and r["env"] == "math" and r["kind"] == "eval_sample" for r in rows)
