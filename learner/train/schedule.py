@@ -11,12 +11,14 @@ if TYPE_CHECKING:
 
 
 def learning_rate(cfg: LearnerSection, version: int) -> float:
-    """`cfg.lr` throughout (constant), or decayed linearly from `cfg.lr` at version 0 to
-    `cfg.lr * cfg.lr_final_ratio` at version `cfg.num_steps - 1` (linear)."""
+    """The rate of the step from `version` to `version + 1`: `cfg.lr` throughout (constant), or
+    decayed linearly from `cfg.lr` at version 0 to `cfg.lr * cfg.lr_final_ratio` at version
+    `cfg.num_steps - 1` (linear); times (version + 1) / cfg.warmup_steps while that is below 1."""
+    warmup = min((version + 1) / cfg.warmup_steps, 1.0) if cfg.warmup_steps else 1.0
     if cfg.lr_schedule == "constant":
-        return cfg.lr
+        return cfg.lr * warmup
     progress = version / max(cfg.num_steps - 1, 1)
-    return cfg.lr * (1 - (1 - cfg.lr_final_ratio) * min(progress, 1.0))
+    return cfg.lr * (1 - (1 - cfg.lr_final_ratio) * min(progress, 1.0)) * warmup
 
 
 def sft_learning_rate(cfg: SFTSection, step: int) -> float:

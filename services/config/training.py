@@ -69,6 +69,8 @@ class LearnerSection(Section):
     """constant, or linear decay from `lr` to `lr * lr_final_ratio` over `num_steps`."""
     lr_final_ratio: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of `lr` (linear schedule)."""
+    warmup_steps: int = Field(0, ge=0)
+    """The first N optimizer steps ramp the rate linearly, lr/N, 2·lr/N, ... up to the schedule's (0: none). Adam's first steps move every weight by about the rate whatever its gradient's size; a model whose policy is sharp in the gradient's direction (Gemma 3 270M: docs/models.md) needs the ramp."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     max_grad_norm: float = Field(1.0, gt=0)

@@ -18,6 +18,16 @@ def test_linear_schedule_decays_from_peak_to_final_ratio():
     assert learning_rate(config.learner, 5) == lr
 
 
+def test_rl_warmup_ramps_up_to_either_schedule():
+    config = load_config(None, ["learner.lr=1e-5", "learner.warmup_steps=4", "learner.num_steps=9"])
+    rates = [learning_rate(config.learner, v) for v in range(9)]
+    assert rates[:5] == pytest.approx([2.5e-6, 5e-6, 7.5e-6, 1e-5, 1e-5]) and rates[-1] == pytest.approx(1e-5)
+    config.learner.lr_schedule = "linear"
+    rates = [learning_rate(config.learner, v) for v in range(9)]
+    assert rates[0] == pytest.approx(2.5e-6) and rates[3] == pytest.approx(1e-5 * (1 - 0.9 * 3 / 8))
+    assert rates[-1] == pytest.approx(1e-6)
+
+
 def test_sft_cosine_schedule_warms_up_then_decays_to_final_ratio():
     config = load_config(None, ["sft.num_steps=100", "sft.lr=1e-3", "sft.lr_schedule=cosine", "sft.warmup_steps=10",
                                 "sft.lr_final_ratio=0.1"])
