@@ -375,6 +375,9 @@ def _shrink(stack: Stack, learner: str, events: dict) -> None:
         seen["held"] = stack.queue(next(iter(rollouts)), HELD)
         return all(seen["held"].get(gid) for gid in rollouts.values())
 
+    # Each reward replica's share is read between all_serving and the scale-down: at least 30 s (six
+    # scrapes) of it, however soon the joiners' groups were trained.
+    time.sleep(max(0.0, events["all_serving"] + 30 - time.time()))
     _wait(holding, 180, "every rollout server to hold prompt groups", stack)
     held_before = seen["held"]  # groups a server finishes before it is gone count as given back too
     t0 = time.time()
