@@ -32,6 +32,11 @@ def test_rlmesh_eval_prints_and_writes_greedy_accuracy_and_pass_at_k(tmp_path, t
     assert header == ["environment", "greedy", "pass@1", "pass@4"] and [r[0] for r in rows] == ["math", "all"]
     assert float(rows[-1][2]) == pytest.approx(record["pass@1"], abs=1e-3)
     assert (out_dir / "logs" / "rollout-0.log").is_file() and (out_dir / "logs" / "reward.log").is_file()
+    # What the model wrote: every greedy answer (6 < logging.eval_samples), one per prompt.
+    answers = [json.loads(line) for line in (out_dir / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(answers) == 6 and len({a["group_id"] for a in answers}) == 6
+    assert all(a["version"] == 0 and a["env"] == "math" and a["prompt"] and a["num_tokens"] > 0 for a in answers)
+    assert sum(a["correct"] for a in answers) / 6 == pytest.approx(record["accuracy"])
 
 
 def test_a_model_that_is_neither_a_model_nor_a_run_is_refused_naming_it(tmp_path):
