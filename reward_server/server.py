@@ -126,7 +126,7 @@ async def report_function_health(service: RewardService, server: Server, period_
         for name, env in list(service.local.items()):
             if not isinstance(env, FunctionEnvironment):
                 continue
-            problem = env.workers.healthy()
+            problem = env.healthy()
             if problem != last.get(name):
                 last[name] = problem
                 await server.set_serving(not problem, names=[f"{SERVICE_NAME}/{name}"])

@@ -109,9 +109,10 @@ class RewardService(reward_pb2_grpc.RewardServiceServicer):
         self.local: dict[str, Any] = {}
         self.remote: dict[str, RemoteEnvironment] = {}
         self._runners: dict[str, EnvRunner] = {}
-        for name in names:
-            self.add_local(name, BUILTIN[name]())
         function_limits = function_limits or WorkerLimits.from_config(RewardSection(env_timeout_s=env_timeout_s))
+        for name in names:  # a built-in whose code runs in worker processes runs under the functions' limits
+            kind = BUILTIN[name]
+            self.add_local(name, kind(function_limits) if issubclass(kind, FunctionEnvironment) else kind())
         for name, path in (functions or {}).items():
             self.add_local(name, load_environment(name, path, function_limits))
         self.sessions = SessionTable(replica_id or uuid.uuid4().hex[:8], session_idle_timeout_s)

@@ -34,5 +34,9 @@ class FunctionEnvironment:
                 out.append(ScoreOutput(reward=answer["reward"], components=answer.get("components", {})))
         return out
 
+    def healthy(self) -> str:
+        """Why this function cannot answer now, or "" (the reward server's per-function health)."""
+        return self.workers.healthy()
+
     def close(self) -> None:
         self.workers.close()

@@ -10,10 +10,11 @@ the other items go on. The reward is the score (reasoning-gym gives partial cred
 near answer); components: `correct` (score 1: held-out accuracy reads it) and `format` (an
 `<answer>` tag was found).
 
-reasoning-gym is imported on first use, so a reward server without it (`rlmesh[envs]`) serves every
-other environment and answers these items with an error saying what to install. The scorers are
-reasoning-gym's code, run in this process on the reward server's worker threads (each call bounded
-by `reward.env_timeout_s`); a few parse the answer with Python's `eval` (`binary_matrix`, for one)."""
+The scorers are reasoning-gym's code run on the model's text, and a few parse it with Python's `eval`
+(`binary_matrix`, for one), so they run where user reward functions run: in worker processes with a
+clean environment and memory, CPU and wall-clock limits (`rlmesh.reward_server.function_workers`,
+`reward.function_*`), started on the first item. The reward server never imports reasoning-gym; a
+worker without it (`rlmesh[envs]`) answers every item with an error saying what to install."""
 
 from __future__ import annotations
 
@@ -23,51 +24,70 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rlmesh.reward_server.environments.base import ScoreInput, ScoreOutput
+from rlmesh.reward_server.environments.function import FunctionEnvironment
+from rlmesh.reward_server.function_workers import FunctionWorkerPool, ItemError, WorkerLimits
+from rlmesh.services.config import RewardSection
 from rlmesh.services.domain.tasks import read_reasoning_gym_metadata
 
 Scorer = Callable[[str | None, dict[str, Any]], Any]
 
+_SCORERS: dict[str, Scorer] = {}  # in a worker: at most one per registered dataset name
 
-class ReasoningGymEnvironment:
-    name = "reasoning_gym"
-    description = ("reasoning-gym's own scorer for metadata.dataset on the last <answer></answer> of the completion; "
-                   "reward = its score, components correct (score 1) and format")
 
-    def __init__(self) -> None:
-        self._scorers: dict[str, Scorer] = {}  # at most one per registered dataset name
+def scorer(dataset: str) -> Scorer:
+    """The dataset's scorer, made once per worker; ItemError for an unknown name or a missing reasoning-gym."""
+    if dataset not in _SCORERS:
+        try:
+            from reasoning_gym.factory import DATASETS, get_score_answer_fn
+        except ImportError as err:
+            raise ItemError(f"reasoning-gym is not installed on this reward server ({err}); "
+                            "pip install 'rlmesh[envs]'") from None
+        if dataset not in DATASETS:
+            raise ItemError(f"metadata.dataset={dataset[:80]!r} is not a reasoning-gym dataset")
+        _SCORERS[dataset] = get_score_answer_fn(dataset)
+    return _SCORERS[dataset]
+
+
+def score_item(prompt: list[dict], completion: str, metadata: dict[str, Any]) -> dict[str, float]:
+    """One item, in a worker process: {reward, correct, format}, or ItemError saying why not."""
+    try:
+        dataset, entry = read_reasoning_gym_metadata(metadata)
+    except ValueError as err:
+        raise ItemError(str(err)) from None
+    score_answer = scorer(dataset)
+    from reasoning_gym.utils import extract_answer  # importable: the scorer was
+
+    answer = extract_answer(completion)
+    try:
+        score = score_answer(answer, entry)
+    except Exception as err:  # reasoning-gym's code on a stranger's entry: any failure is this item's
+        raise ItemError(f"{dataset}'s scorer raised {type(err).__name__}: {str(err)[:200]}") from None
+    if not isinstance(score, numbers.Real) or not math.isfinite(score):
+        raise ItemError(f"{dataset}'s scorer returned {score!r:.80}, not a finite number")
+    return {"reward": float(score), "correct": float(score == 1), "format": float(answer is not None)}
+
+
+class ReasoningGymEnvironment(FunctionEnvironment):
+    """`score_item` behind a worker pool that starts with the first item scored."""
+
+    def __init__(self, limits: WorkerLimits | None = None) -> None:  # noqa: the pool starts on first use
+        self.name = "reasoning_gym"
+        self.description = ("reasoning-gym's own scorer for metadata.dataset on the last <answer></answer> of the "
+                            "completion; reward = its score, components correct (score 1) and format")
+        self.limits = limits or WorkerLimits.from_config(RewardSection())
+        self._pool: FunctionWorkerPool | None = None
         self._lock = threading.Lock()
 
-    def score(self, items: list[ScoreInput]) -> list[ScoreOutput]:
-        return [self._score_one(item) for item in items]
-
-    def scorer(self, dataset: str) -> Scorer:
-        """The dataset's scorer, made once; ValueError for an unknown name or a missing reasoning-gym."""
+    @property
+    def workers(self) -> FunctionWorkerPool:
         with self._lock:
-            if dataset not in self._scorers:
-                try:
-                    from reasoning_gym.factory import DATASETS, get_score_answer_fn
-                except ImportError as err:
-                    raise ValueError(f"reasoning-gym is not installed on this reward server ({err}); "
-                                     "pip install 'rlmesh[envs]'") from None
-                if dataset not in DATASETS:
-                    raise ValueError(f"metadata.dataset={dataset[:80]!r} is not a reasoning-gym dataset")
-                self._scorers[dataset] = get_score_answer_fn(dataset)
-            return self._scorers[dataset]
+            if self._pool is None:
+                self._pool = FunctionWorkerPool(self.name, f"{__name__}:score_item", self.limits)
+            return self._pool
 
-    def _score_one(self, item: ScoreInput) -> ScoreOutput:
-        try:
-            dataset, entry = read_reasoning_gym_metadata(item.metadata)
-            score_answer = self.scorer(dataset)
-        except ValueError as err:
-            return ScoreOutput(error=f"reasoning_gym: {err}")
-        from reasoning_gym.utils import extract_answer  # importable: the scorer was
+    def healthy(self) -> str:
+        return "" if self._pool is None else self._pool.healthy()
 
-        answer = extract_answer(item.completion)
-        try:
-            score = score_answer(answer, entry)
-        except Exception as err:  # reasoning-gym's code on a stranger's entry: any failure is this item's
-            return ScoreOutput(error=f"reasoning_gym: {dataset}'s scorer raised {type(err).__name__}: {str(err)[:200]}")
-        if not isinstance(score, numbers.Real) or not math.isfinite(score):
-            return ScoreOutput(error=f"reasoning_gym: {dataset}'s scorer returned {score!r:.80}, not a finite number")
-        return ScoreOutput(reward=float(score), components={"correct": float(score == 1), "format": float(answer is not None)})
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()

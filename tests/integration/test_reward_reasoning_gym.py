@@ -1,7 +1,8 @@
 """The built-in `reasoning_gym` environment through a real reward server on a real gRPC port: held-out
 examples from `data.type: reasoning_gym` travel as env_metadata (a protobuf Struct) and come back
-scored by reasoning-gym's own scorer; a scorer that raises, an unknown dataset and a malformed entry
-are item errors beside the scored items of the same call."""
+scored by reasoning-gym's own scorer (in the reward server's worker processes); an unknown dataset and
+a malformed entry are item errors beside the scored items of the same call (a scorer that raises:
+tests/unit/reward_server/test_reasoning_gym.py)."""
 
 import pytest
 from google.protobuf.struct_pb2 import Struct
@@ -20,10 +21,6 @@ def _item(i: str, completion: str, metadata: dict) -> reward_pb2.ScoreItem:
     struct = Struct()
     struct.update(metadata)
     return reward_pb2.ScoreItem(id=i, env_name="reasoning_gym", completion=completion, env_metadata=struct)
-
-
-def _raises(answer, entry):
-    raise RuntimeError("scorer bug")
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -45,15 +42,15 @@ async def test_reasoning_gym_items_are_scored_over_grpc():
                      _item("unknown", "<answer>1</answer>", {**first, "dataset": "no_such_task"}),
                      _item("malformed", "<answer>1</answer>", {**first, "entry": "{"})]
             reply = await stub.Score(reward_pb2.ScoreRequest(items=items), timeout=60)
-            service.local["reasoning_gym"]._scorers["leg_counting"] = _raises
-            raised = await stub.Score(reward_pb2.ScoreRequest(items=items[:1]), timeout=60)
+            workers = service.local["reasoning_gym"].workers.status()
     finally:
         await server.stop(0)
+        service.local["reasoning_gym"].close()
+    assert workers.num_workers >= 1 and workers.num_replaced == 0
     by_id = {r.id: r for r in reply.results}
     assert (by_id["right"].reward, by_id["right"].components["correct"]) == (1.0, 1.0)
     assert not by_id["right"].error and by_id["right"].components["format"] == 1.0
     assert (by_id["wrong"].reward, by_id["wrong"].components["correct"]) == (0.0, 0.0)
     assert by_id["untagged"].reward == 0.0 and by_id["untagged"].components["format"] == 0.0
-    assert "metadata.dataset='no_such_task' is not a reasoning-gym dataset" in by_id["unknown"].error
-    assert "metadata.entry is not JSON" in by_id["malformed"].error
-    assert raised.results[0].error == "reasoning_gym: leg_counting's scorer raised RuntimeError: scorer bug"
+    assert by_id["unknown"].error == "reasoning_gym: metadata.dataset='no_such_task' is not a reasoning-gym dataset"
+    assert by_id["malformed"].error.startswith("reasoning_gym: metadata.entry is not JSON")

@@ -1,6 +1,7 @@
-"""The `reasoning_gym` environment with real reasoning-gym scorers: right, wrong and partly right
-answers read from `<answer>` tags; a scorer that raises or returns a non-number, an unknown dataset
-and malformed metadata are item errors (named, never trained on) while the other items are scored."""
+"""The `reasoning_gym` environment with real reasoning-gym scorers, run in worker processes: right, wrong
+and partly right answers read from `<answer>` tags; a scorer that raises or returns a non-number, an
+unknown dataset and malformed metadata are item errors (named, never trained on) while the other items
+are scored; the server's own process never imports reasoning-gym."""
 
 import json
 
@@ -23,7 +24,9 @@ def _item(completion: str, metadata: dict | None = None) -> ScoreInput:
 
 @pytest.fixture(scope="module")
 def env():
-    return ReasoningGymEnvironment()
+    env = ReasoningGymEnvironment()
+    yield env
+    env.close()
 
 
 def test_scores_with_reasoning_gyms_own_scorer(env):
@@ -55,20 +58,22 @@ def _raising(answer, entry):
 
 
 @pytest.mark.parametrize("scorer, error", [
-    (_raising, "reasoning_gym: basic_arithmetic's scorer raised KeyError: 'expression'"),
-    (lambda answer, entry: None, "reasoning_gym: basic_arithmetic's scorer returned None, not a finite number"),
+    (_raising, "basic_arithmetic's scorer raised KeyError: 'expression'"),
+    (lambda answer, entry: None, "basic_arithmetic's scorer returned None, not a finite number"),
     (lambda answer, entry: "1.0", "scorer returned '1.0', not a finite number"),
     (lambda answer, entry: float("nan"), "scorer returned nan, not a finite number"),
 ])
 def test_a_scorer_that_raises_or_returns_a_non_number_is_an_item_error(monkeypatch, scorer, error):
-    env = ReasoningGymEnvironment()
-    env.scorer("leg_counting")
-    monkeypatch.setitem(env._scorers, "basic_arithmetic", scorer)
-    bad, other = env.score([_item("<answer>7</answer>"), _item("<answer>1</answer>", reasoning_gym_metadata(
-        "leg_counting", {"question": "", "answer": "1", "metadata": {}}))])
-    assert error in bad.error
-    assert (bad.reward, bad.components) == (0.0, {}), "nothing to train on"
-    assert not other.error and other.reward == 1.0, "the batch's other items are scored"
+    """What a worker runs per item (`score_item`), in this process with a planted scorer: the item's error
+    is the ItemError's message (the pool prefixes the environment's name: below)."""
+    from rlmesh.reward_server.function_workers import ItemError
+
+    monkeypatch.setitem(rg_env._SCORERS, "basic_arithmetic", scorer)
+    with pytest.raises(ItemError) as err:
+        rg_env.score_item([], "<answer>7</answer>", reasoning_gym_metadata("basic_arithmetic", ENTRY))
+    assert str(err.value) == error or error in str(err.value)
+    assert rg_env.score_item([], "<answer>1</answer>", reasoning_gym_metadata(
+        "leg_counting", {"question": "", "answer": "1", "metadata": {}}))["reward"] == 1.0
 
 
 @pytest.mark.parametrize("metadata, error", [
@@ -87,12 +92,45 @@ def test_a_scorer_that_raises_or_returns_a_non_number_is_an_item_error(monkeypat
 def test_hostile_metadata_is_an_item_error(env, metadata, error):
     out, good = env.score([_item("<answer>7</answer>", metadata), _item("<answer>7</answer>")])
     assert out.error.startswith("reasoning_gym: ") and error in out.error
+    assert "reward function raised" not in out.error, "the worker's ItemError message, as it is"
     assert not good.error and good.reward == 1.0
-    assert len(env._scorers) <= 3, "unknown names are not cached"
+
+
+def test_unknown_dataset_names_are_not_cached():
+    rg_env._SCORERS.clear()
+    for name in ("no_such_task", "__init__", "basic_arithmetic"):
+        try:
+            rg_env.score_item([], "<answer>7</answer>", {"dataset": name, "entry": json.dumps(ENTRY)})
+        except Exception:
+            pass
+    assert list(rg_env._SCORERS) == ["basic_arithmetic"]
+
+
+def test_the_scorers_run_in_worker_processes_never_in_the_server():
+    """A fresh interpreter stands in for the reward server: it scores through the environment, and
+    reasoning-gym (whose scorers `eval` model text) is imported only in the worker processes."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from tests.unit.reward_server.test_reasoning_gym import _item\n"
+            "from rlmesh.reward_server.environments.reasoning_gym import ReasoningGymEnvironment\n"
+            "env = ReasoningGymEnvironment()\n"
+            "assert env.healthy() == '' and env._pool is None, 'no worker before the first item'\n"
+            "(out,) = env.score([_item('<answer>7</answer>')])\n"
+            "assert out.reward == 1.0 and not out.error, out\n"
+            "assert env.workers.status().num_workers >= 1\n"
+            "assert not any(m.startswith('reasoning_gym') for m in sys.modules), 'imported in the server'\n"
+            "env.close()\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_without_reasoning_gym_items_say_what_to_install(monkeypatch):
     import builtins
+
+    from rlmesh.reward_server.function_workers import ItemError
 
     real_import = builtins.__import__
 
@@ -102,5 +140,6 @@ def test_without_reasoning_gym_items_say_what_to_install(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_reasoning_gym)
-    (out,) = rg_env.ReasoningGymEnvironment().score([_item("<answer>7</answer>")])
-    assert "reasoning-gym is not installed on this reward server" in out.error and "rlmesh[envs]" in out.error
+    monkeypatch.setattr(rg_env, "_SCORERS", {})
+    with pytest.raises(ItemError, match=r"reasoning-gym is not installed on this reward server.*rlmesh\[envs\]"):
+        rg_env.score_item([], "<answer>7</answer>", reasoning_gym_metadata("basic_arithmetic", ENTRY))
