@@ -20,6 +20,7 @@ def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
     from rlmesh.services.domain.chat import make_codec
     from rlmesh.services.model_families import UnsupportedArchitecture, check_supported_architecture
 
+    check_model_present(model_dir, command)
     allow = isinstance(config.model, HFModelSection) and config.model.allow_untested_architecture
     if (Path(model_dir) / "config.json").is_file() and not allow:
         try:
@@ -41,6 +42,24 @@ def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
         print(f"rlmesh {command}: {model_dir} {why}: prompts are plain text (prompt.format="
               f"{config.prompt.format}; prefix {len(config.prompt.prefix)} chars, suffix {config.prompt.suffix!r}, "
               f"stop {config.prompt.stop})", flush=True)
+
+
+def check_model_present(model_dir: str, command: str) -> None:
+    """Refuse at once a model.path that is no directory here but names a model `rlmesh model fetch`
+    ships (the examples' `models/...`: a fresh checkout has none until fetched), or that is plainly a
+    local path; anything else may be a hub name, which transformers then tries."""
+    from rlmesh.models import REGISTRY
+
+    path = Path(model_dir).expanduser()
+    if path.is_dir():
+        return
+    if path.name in REGISTRY:
+        raise SystemExit(f"rlmesh {command}: model.path={model_dir} does not exist yet; fetch it first: "
+                         f"rlmesh model fetch {path.name} --output {model_dir}")
+    if model_dir.startswith((".", "/", "~")) or model_dir.count("/") > 1:
+        raise SystemExit(f"rlmesh {command}: model.path={model_dir} is not a directory here; point it at an HF "
+                         f"model directory (rlmesh model fetch NAME --output DIR writes one of "
+                         f"{', '.join(REGISTRY)}; rlmesh model convert-gguf FILE --output DIR converts a GGUF file)")
 
 
 def printable(text: str) -> str:

@@ -33,3 +33,19 @@ def test_chat_for_a_model_without_a_template_is_refused_and_auto_takes_plain_tex
         check_model_fits(_config(model, "prompt.format=chat"), str(model), "eval")
     check_model_fits(_config(model), str(model), "eval")
     assert "has no chat template: prompts are plain text" in capsys.readouterr().out
+
+
+def test_a_model_not_fetched_yet_is_refused_at_once_with_the_fetch_command(tmp_path, monkeypatch):
+    """The examples' model.path on a fresh checkout: no hub look-up (a minute of retries offline), the
+    command that writes it; a plain local path that is no directory is refused too."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match=r"rlmesh up: model.path=models/gemma3-270m does not exist yet; fetch it "
+                                         r"first: rlmesh model fetch gemma3-270m --output models/gemma3-270m$"):
+        check_model_fits(_config("models/gemma3-270m"), "models/gemma3-270m", "up")
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(SystemExit, match=r"rlmesh eval: model.path=./my-model is not a directory here.*"
+                                         r"smollm2-135m-instruct, gemma3-270m.*convert-gguf"):
+        check_model_fits(_config("./my-model"), "./my-model", "eval")
