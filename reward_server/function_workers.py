@@ -61,11 +61,6 @@ class WorkerLimits:
                    cpu_s=section.function_cpu_s, timeout_s=section.env_timeout_s, env=tuple(section.function_env))
 
 
-class ItemError(Exception):
-    """Raised by a function in a worker to fail its item with exactly this message (any other
-    exception's message is prefixed with "reward function raised <type>")."""
-
-
 class WorkerDied(Exception):
     """The worker exited (killed by a limit, or crashed) before answering."""
 
@@ -275,9 +270,7 @@ def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
 
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    from rlmesh.reward_server.environments.base import is_multi_turn, load_callable
-    # This module runs as __main__ here: the class a function raises is the one its import gives it.
-    from rlmesh.reward_server.function_workers import ItemError as RaisedItemError
+    from rlmesh.reward_server.environments.base import ItemError, is_multi_turn, load_callable
 
     try:
         fn = load_callable(path)
@@ -296,7 +289,7 @@ def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
         except MemoryError:
             send({"error": f"reward function went over reward.function_memory_mb={memory_mb} MiB", "exit": True})
             os._exit(3)
-        except RaisedItemError as err:
+        except ItemError as err:
             answer = {"error": str(err)}
         except Exception as err:  # a bug in the user's function fails its item, not the worker
             answer = {"error": f"reward function raised {type(err).__name__}: {err}"}

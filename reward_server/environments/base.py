@@ -43,6 +43,11 @@ class ScoreOutput:
     error: str = ""
 
 
+class ItemError(Exception):
+    """Raised by a reward function (in its worker process) to fail its item with exactly this message;
+    any other exception's message is prefixed with "reward function raised <type>"."""
+
+
 class SingleTurnEnvironment(Protocol):
     """Scores batches of completions. An environment may set `max_batch_size` (an int) to have the
     server split batches, e.g. 1 so that one slow item only times out itself."""

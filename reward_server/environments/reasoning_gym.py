@@ -24,8 +24,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from rlmesh.reward_server.environments.base import ItemError
 from rlmesh.reward_server.environments.function import FunctionEnvironment
-from rlmesh.reward_server.function_workers import FunctionWorkerPool, ItemError, WorkerLimits
+from rlmesh.reward_server.function_workers import FunctionWorkerPool, WorkerLimits
 from rlmesh.services.config import RewardSection
 from rlmesh.services.domain.tasks import read_reasoning_gym_metadata
 

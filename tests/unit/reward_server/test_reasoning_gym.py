@@ -66,7 +66,7 @@ def _raising(answer, entry):
 def test_a_scorer_that_raises_or_returns_a_non_number_is_an_item_error(monkeypatch, scorer, error):
     """What a worker runs per item (`score_item`), in this process with a planted scorer: the item's error
     is the ItemError's message (the pool prefixes the environment's name: below)."""
-    from rlmesh.reward_server.function_workers import ItemError
+    from rlmesh.reward_server.environments.base import ItemError
 
     monkeypatch.setitem(rg_env._SCORERS, "basic_arithmetic", scorer)
     with pytest.raises(ItemError) as err:
@@ -130,7 +130,7 @@ def test_the_scorers_run_in_worker_processes_never_in_the_server():
 def test_without_reasoning_gym_items_say_what_to_install(monkeypatch):
     import builtins
 
-    from rlmesh.reward_server.function_workers import ItemError
+    from rlmesh.reward_server.environments.base import ItemError
 
     real_import = builtins.__import__
 
