@@ -12,31 +12,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def freeze(model: torch.nn.Module, patterns: list[str]) -> list[str]:
+def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
     """Set requires_grad=False on every parameter whose name (as the Hugging Face model names it)
-    one of `patterns` matches (re.search); the names frozen. A tied output layer is the embedding
-    under a second name: freezing either freezes both. Raises ValueError when a pattern matches no
-    parameter or when nothing would be left to train."""
+    one of `patterns` matches (re.search). A tied output layer is the embedding under a second name:
+    freezing either freezes both. Raises ValueError when a pattern matches no parameter or when
+    nothing would be left to train."""
     if not patterns:
-        return []
-    compiled = [re.compile(p) for p in patterns]
+        return
     named = list(model.named_parameters(remove_duplicate=False))
-    frozen = []
-    for pattern in compiled:
-        hits = [name for name, _ in named if pattern.search(name)]
+    frozen: set[str] = set()
+    for pattern in map(re.compile, patterns):
+        hits = {name for name, _ in named if pattern.search(name)}
         if not hits:
             sample = ", ".join(name for name, _ in named[:4])
             raise ValueError(f"learner.freeze: {pattern.pattern!r} matches no parameter of this model "
                              f"(its names look like {sample}, ...); fix the pattern or drop it")
-        frozen += hits
-    frozen_set = set(frozen)
+        frozen |= hits
     for name, param in named:
-        if name in frozen_set:
+        if name in frozen:
             param.requires_grad_(False)
     if not any(p.requires_grad for _, p in named):
         raise ValueError(f"learner.freeze={patterns!r} freezes every parameter: nothing would train")
     count = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    log.info("learner.freeze: %d parameter tensors frozen (%.1f M of %.1f M values): %s", len(frozen_set),
-             count / 1e6, total / 1e6, ", ".join(sorted(frozen_set)[:6]) + (" ..." if len(frozen_set) > 6 else ""))
-    return sorted(frozen_set)
+    names = sorted(frozen)
+    log.info("learner.freeze: %d parameter tensors frozen (%.1f M of %.1f M values): %s", len(names),
+             count / 1e6, total / 1e6, ", ".join(names[:6]) + (" ..." if len(names) > 6 else ""))
