@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     reward = sub.add_parser("reward", help="run a reward server (environments)")
     _add_config_args(reward)
     reward.add_argument("--port", type=int, default=None, help="gRPC port (default: from network.reward_address)")
+    reward.add_argument("--memory-mb", type=int, default=None, metavar="MIB",
+                        help="address-space limit of this server (RLIMIT_AS): an allocation past it fails the call "
+                             "that made it with MemoryError (rlmesh up: reward.env_server_memory_mb for the "
+                             "environment servers it starts)")
 
     sft = sub.add_parser("sft", help="supervised fine-tuning (masked NLL on assistant tokens)")
     _add_config_args(sft)

@@ -26,6 +26,7 @@ class Service:
     argv: list[str]
     launcher: list[str] | None = None
     python: str | None = None  # the interpreter (of another virtualenv); None: this one
+    env: dict[str, str] | None = None  # its whole environment; None: this process's and the mesh's extra
     restarts: int = 0
     restart_at: float | None = None  # when a crashed service is due to be started again
 
@@ -46,12 +47,14 @@ class Mesh:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, argv: list[str], launcher: list[str] | None = None,
-              python: str | None = None) -> Service:
-        """Start `rlmesh ARGV` (with `python`, an interpreter of another virtualenv, when given)."""
+              python: str | None = None, env: dict[str, str] | None = None) -> Service:
+        """Start `rlmesh ARGV` (with `python`, an interpreter of another virtualenv, when given; with
+        `env` as its whole environment, when given)."""
         log_path = self.run_dir / "logs" / f"{name}.log"
+        env = env if env is not None else ({**os.environ, **self.env} if self.env else None)
         # Own session: stopping the service's process group also stops its children (vLLM's engine,
         # torchrun's ranks).
-        svc = Service(name, self._popen(argv, launcher, log_path, self.env, python), log_path, argv, launcher, python)
+        svc = Service(name, self._popen(argv, launcher, log_path, env, python), log_path, argv, launcher, python, env)
         self.services.append(svc)
         log.info("started %s (pid %d), log: %s", name, svc.proc.pid, log_path)
         return svc
@@ -61,13 +64,13 @@ class Mesh:
                env: dict[str, str] | None, python: str | None = None) -> subprocess.Popen:
         cmd = [python or sys.executable, *(launcher or []), "-m", "rlmesh.cli", *argv]
         return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=os.getcwd(), env={**os.environ, **env} if env else None)
+                                cwd=os.getcwd(), env=env)
 
     def restart(self, svc: Service) -> None:
         signal_group(svc.proc, signal.SIGKILL)  # whatever the dead service left behind (vLLM's engine)
         svc.restarts += 1
         svc.restart_at = None
-        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path, self.env, svc.python)
+        svc.proc = self._popen(svc.argv, svc.launcher, svc.log_path, svc.env, svc.python)
         log.warning("restarted %s (pid %d, restart %d)", svc.name, svc.proc.pid, svc.restarts)
 
     def stop(self, grace_s: float = 10.0) -> None:

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlmesh.env_servers import start_env_servers
 from rlmesh.learner.watch import STALLED_EXIT
 from rlmesh.preflight import check_model_fits, printable
 from rlmesh.processes import Mesh, Service, stop_signals_interrupt
-from rlmesh.services.config import NetworkSection, RewardSection, RunConfig, dump_config
+from rlmesh.services.config import NetworkSection, RunConfig, dump_config
 from rlmesh.services.ports import free_port
 from rlmesh.services.retry import Backoff
 
@@ -131,26 +132,12 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     host = config.network.host
     resolved.network.learner_address = f"{host}:{learner_port}"
     resolved.network.reward_address = f"{host}:{reward_port}"
-    env_ports = {name: free_port() for name in config.reward.env_processes}
-    if env_ports:
-        # One reward server serving every environment locally, proxied by the main one.
-        env_config = resolved.model_copy(deep=True)
-        env_config.reward.remote, env_config.reward.env_processes = {}, []
-        dump_config(env_config, run_dir / "config.env.yaml")
-        resolved.reward.remote = {**resolved.reward.remote, **{name: f"{host}:{p}" for name, p in env_ports.items()}}
-    hubs = _hub_servers(resolved, run_dir)
+    # Serving before the main reward server registers them, so it learns what they serve.
+    env_servers = start_env_servers(mesh, config, resolved, run_dir)
     resolved_path = run_dir / "config.resolved.yaml"
     dump_config(resolved, resolved_path)
     base = ["-c", str(resolved_path)]
-
-    for name, port in env_ports.items():
-        mesh.spawn(f"env-{name}", ["reward", "-c", str(run_dir / "config.env.yaml"), "--port", str(port)])
-    for name, (python, port) in hubs.items():
-        mesh.spawn(f"env-{name}", ["reward", "-c", str(run_dir / f"config.env-{name}.yaml"), "--port", str(port)],
-                   python=python)
-    # Serving before the main reward server registers them, so it learns what they serve.
-    env_ports.update({name: port for name, (_, port) in hubs.items()})
-    _wait_serving(mesh, config.network, {f"env-{n}": p for n, p in env_ports.items()})
+    _wait_serving(mesh, config.network, env_servers)
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
 
     def spawn_rollouts(extra: list[str]) -> None:
@@ -172,30 +159,6 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     _wait_serving(mesh, config.network, {"reward": reward_port, "learner": learner_port})
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
     return _watch(mesh, learner, config, run_dir, on_row, metrics)
-
-
-def _hub_servers(resolved: RunConfig, run_dir: Path) -> dict[str, tuple[str, int]]:
-    """The environments that run in an interpreter of their own (`reward.verifiers.NAME.python`, a
-    virtualenv with `verifiers` and the environment's package): each gets an environment server started
-    with that interpreter (its config written beside the run's), and the main reward server proxies it
-    (`resolved.reward.remote` updated). Returns {name: (python, port)}."""
-    hubs = {}
-    for name, hub in resolved.reward.verifiers.items():
-        if hub.python is None or name in resolved.reward.remote:
-            continue
-        if not Path(hub.python).is_file():
-            raise SystemExit(f"rlmesh up: reward.verifiers.{name}.python={hub.python} is not a file; make the "
-                             f"environment's virtualenv with `rlmesh venv --output DIR verifiers==0.3.1 PACKAGE` and "
-                             f"name DIR/bin/python")
-        port = free_port()
-        own = resolved.model_copy(deep=True)
-        # The reward section's settings (timeouts, limits) without any environment but this one, hosted there.
-        settings = {k: v for k, v in resolved.reward.model_dump().items() if not isinstance(v, (dict, list))}
-        own.reward = RewardSection(**settings, verifiers={name: hub.model_copy(update={"python": None})})
-        dump_config(own, run_dir / f"config.env-{name}.yaml")
-        resolved.reward.remote = {**resolved.reward.remote, name: f"{resolved.network.host}:{port}"}
-        hubs[name] = (hub.python, port)
-    return hubs
 
 
 def _wait_prepared(mesh: Mesh, prep: Service, config: RunConfig, done: Callable[[], bool], what: str) -> None:

@@ -3,7 +3,8 @@
 A thread cannot be stopped, so a reward function in the server's own process that never returns,
 or allocates without bound, takes the server down with it. Here each function gets a small pool of
 processes (`reward.function_workers`), each started with:
-- a clean environment: only PATH, locale and home, the server's import path (PYTHONPATH, from its
+- a clean environment: only the basics (PATH, locale, home, temp and cache directories:
+  `services.child_env.BASIC`), the server's import path (PYTHONPATH, from its
   `sys.path`, so whatever module the server can import the worker can too), the same working
   directory, and the variables named in `reward.function_env` — never the token or other secrets;
 - an address-space limit (RLIMIT_AS, `reward.function_memory_mb`): an allocation past it raises
@@ -34,13 +35,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlmesh.services.child_env import child_env
+
 if TYPE_CHECKING:
     from rlmesh.services.config import RewardSection
 
 log = logging.getLogger(__name__)
-
-# Variables a worker gets from the server's environment, beside `WorkerLimits.env`.
-_BASE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "HOME")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class WorkerDied(Exception):
 
 def worker_env(names: tuple[str, ...]) -> dict[str, str]:
     """The environment a worker starts with: nothing secret unless named in `names`."""
-    env = {k: os.environ[k] for k in (*_BASE_ENV, *names) if k in os.environ}
+    env = child_env(names)
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
@@ -259,6 +259,13 @@ def exit_with_parent(parent: int, *, with_group: bool = False) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def limit_memory(memory_mb: int) -> None:
+    """Cap this process's address space (RLIMIT_AS): past it an allocation raises MemoryError in the
+    call that made it (a reward-function worker, an environment server's call into its environment)."""
+    limit = memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
     exit_with_parent(os.getppid())
     answers = os.fdopen(os.dup(1), "w", buffering=1)
@@ -268,8 +275,7 @@ def _serve(path: str, memory_mb: int, cpu_s: float) -> None:
     def send(obj: dict) -> None:
         answers.write(json.dumps(obj) + "\n")
 
-    limit = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    limit_memory(memory_mb)
     from rlmesh.reward_server.environments.base import ItemError, is_multi_turn, load_callable
 
     try:

@@ -19,7 +19,7 @@ from rlmesh.reward_server.environments.openenv_remote import OpenEnvEnvironment
 from rlmesh.reward_server.limits import RequestLimits
 from rlmesh.reward_server.sandbox import Sandbox, SandboxLimits
 from rlmesh.reward_server.environments.function import FunctionEnvironment
-from rlmesh.reward_server.function_workers import WorkerLimits
+from rlmesh.reward_server.function_workers import WorkerLimits, limit_memory
 from rlmesh.reward_server.registry import BUILTIN
 from rlmesh.reward_server.service import RewardService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
@@ -143,5 +143,10 @@ def _local(envs: dict, remote: dict) -> list:
 
 def main(config: RunConfig, args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else int(config.network.reward_addresses[0].rsplit(":", 1)[1])
+    if getattr(args, "memory_mb", None) is not None:
+        if args.memory_mb < 256:
+            raise SystemExit(f"rlmesh reward: --memory-mb {args.memory_mb} is below 256 MiB, too little for the "
+                             f"server itself to start; give it at least 256 (reward.env_server_memory_mb)")
+        limit_memory(args.memory_mb)
     uvloop.run(serve(config, port))
     return 0

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rlmesh.learner.data.examples import Example, TrainData, TrainOrder, assistant_turn
+from rlmesh.services.child_env import child_env
 from rlmesh.services.config import (ArithmeticDataSection, CalculatorDataSection, DataSection, HFDataSection,
                                     JsonlDataSection, ReasoningGymDataSection, RewardSection, TextArenaDataSection,
                                     VerifiersDataSection)
@@ -96,8 +97,10 @@ def _verifiers(cfg: VerifiersDataSection, reward: RewardSection, seed: int) -> t
             "seed": seed if cfg.seed is None else cfg.seed}
     python = env.python or sys.executable
     try:
+        # The author's code runs there: none of the learner's credentials go with it (docs/environments.md).
         out = subprocess.run([python, "-m", "rlmesh.reward_server.environments.verifiers_env", "rows", json.dumps(spec)],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=600,
+                             env=child_env(["PYTHONPATH", *reward.env_server_env]))
     except (OSError, subprocess.TimeoutExpired) as err:
         raise ValueError(f"data: cannot read the dataset of verifiers environment {env.env_id!r} with {python}: "
                          f"{err}") from err

@@ -199,6 +199,10 @@ class RewardSection(Section):
     """The built-in `math` environment (final answers checked with math-verify): its per-item timeout, worker processes and format reward."""
     env_processes: list[str] = []
     """Environments `rlmesh up` serves from a reward-server process of their own (own crash domain and CPU), proxied by the main reward server under the same name like any remote environment."""
+    env_server_memory_mb: int = Field(8192, ge=256)
+    """Address-space limit (RLIMIT_AS, MiB) of each environment server `rlmesh up` starts (`env_processes`, and `verifiers` environments with a `python` of their own); an allocation past it fails the call that made it (MemoryError), and the server goes on. Elsewhere: `rlmesh reward --memory-mb`."""
+    env_server_env: list[str] = []
+    """Environment variables passed by name to the environment servers `rlmesh up` starts (e.g. a judge's API key); they get no other secret: not the queue password, not the trackers' or the hub's tokens (only the mesh token they authenticate calls with)."""
 
     @model_validator(mode="after")
     def _env_budgets_fit(self) -> RewardSection:

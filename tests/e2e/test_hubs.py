@@ -19,12 +19,19 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.timeout(600)
-def test_rlmesh_up_trains_on_a_verifiers_environment_in_its_own_virtualenv(tmp_path, verifiers_python):
+def test_rlmesh_up_trains_on_a_verifiers_environment_in_its_own_virtualenv(tmp_path, verifiers_python, monkeypatch):
     run_dir = tmp_path / "run"
     config = yaml.safe_load((REPO / "examples" / "arithmetic_grpo.yaml").read_text())
     config["data"] = {"type": "verifiers", "env_name": "game", "num_train": 40, "num_eval": 4}
-    config["reward"] = {"verifiers": {"game": {"env_id": "tests.integration.verifiers_envs",
-                                               "args": {"kind": "digits"}, "python": str(verifiers_python)}}}
+    # Credentials of the tiers (a tracker's key here; the embedded queue's password rlmesh up makes) must not
+    # reach the environment's code, which refuses to load where it sees one, nor where its episodes do not
+    # run under reward.env_server_memory_mb; the one variable named in env_server_env is handed to it.
+    monkeypatch.setenv("WANDB_API_KEY", "planted-tracker-key")
+    monkeypatch.setenv("GAME_SETTING", "named")
+    config["reward"] = {"env_server_memory_mb": 3500, "env_server_env": ["GAME_SETTING"], "verifiers": {"game": {
+        "env_id": "tests.integration.verifiers_envs", "python": str(verifiers_python),
+        "args": {"kind": "digits", "refuse_env": ["WANDB_API_KEY", "RLMESH_QUEUE_PASSWORD"], "memory_mb": 3500,
+                 "require_env": ["GAME_SETTING"]}}}}
     (tmp_path / "game.yaml").write_text(yaml.safe_dump(config))
     up = Up(run_dir, "sft.num_steps=0", "rollout.max_tokens=4", "rollout.episode.max_turns=3",
             "algorithm.group_size=4", "learner.groups_per_step=4", "learner.num_steps=3", "learner.eval_every=0",

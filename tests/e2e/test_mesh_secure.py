@@ -233,6 +233,9 @@ def test_the_tool_use_demo_learns_under_mutual_tls_and_strangers_are_refused(tmp
         tree.poll()
         secrets = {k: v for k, v in _service_environ(proc.pid, " learner ").items() if k in SECRETS}
         assert set(secrets) == set(SECRETS), "the services got both secrets"
+        # The environment server runs environment code: the token it authenticates calls with, not the queue's.
+        env_server = _service_environ(proc.pid, "config.env.yaml")
+        assert env_server.get("RLMESH_TOKEN") == secrets["RLMESH_TOKEN"] and "RLMESH_QUEUE_PASSWORD" not in env_server
         token = secrets["RLMESH_TOKEN"]
         listeners = _listeners(run_dir)
         # The servers do not log the calls they refuse (a handshake failure only at INFO, without a

@@ -38,7 +38,9 @@ ENVS = {
     "raising": {"env_id": OWN, "args": {"kind": "broken", "mode": "raise"}},
     "hanging": {"env_id": OWN, "args": {"kind": "broken", "mode": "hang"}, "timeout_s": 3.0},
     "nan": {"env_id": OWN, "args": {"kind": "broken", "mode": "nan"}},
+    "hog": {"env_id": OWN, "args": {"kind": "broken", "mode": "hog"}},
 }
+HUB_MEMORY_MB = 4096  # the environment server's address-space limit (~2.1 GiB of it mapped at start here)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,8 @@ def python(verifiers_python) -> Path:
     return verifiers_python  # tests/conftest.py: one virtualenv for the session
 
 
-def _spawn(python: Path | str, config: Path, port: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(python), "-m", "rlmesh.cli", "reward", "-c", str(config), "--port", str(port)],
+def _spawn(python: Path | str, config: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([str(python), "-m", "rlmesh.cli", "reward", "-c", str(config), "--port", str(port), *args],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -73,7 +75,7 @@ async def stub(python, tmp_path_factory):
     (tmp / "hub.yaml").write_text(yaml.safe_dump({"reward": {"verifiers": ENVS, "env_timeout_s": 10}}))
     (tmp / "main.yaml").write_text(yaml.safe_dump({"reward": {
         "remote": {name: f"127.0.0.1:{hub_port}" for name in ENVS}, "score_timeout_s": 20}}))
-    procs = [_spawn(python, tmp / "hub.yaml", hub_port, tmp / "hub.log")]
+    procs = [_spawn(python, tmp / "hub.yaml", hub_port, tmp / "hub.log", "--memory-mb", str(HUB_MEMORY_MB))]
     try:
         await _serving(hub_port, procs[0], tmp / "hub.log")
         procs.append(_spawn(sys.executable, tmp / "main.yaml", main_port, tmp / "main.log"))
@@ -177,7 +179,8 @@ async def test_what_goes_wrong_in_an_environment_is_named(python, stub, tmp_path
     example = train[0]
     for name, expected in (("raising", r"KeyError.*the environment's own bug"),
                            ("hanging", r"took longer than 3\.0s"),
-                           ("nan", r"reward is nan|not a number|must be finite")):
+                           ("nan", r"reward is nan|not a number|must be finite"),
+                           ("hog", r"MemoryError")):  # past --memory-mb: the call fails, the server goes on
         broken = type(example)(**{**example.__dict__, "env": name})
         try:
             said = await _episode(stub, broken, [example.metadata["answer"]])  # right: the game ends, is scored

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from rlmesh.services.config import RunConfig, load_config
-from rlmesh.up import _hub_servers
+from rlmesh.env_servers import hub_servers
 
 
 def test_an_environment_with_its_own_interpreter_gets_a_server_and_the_main_one_proxies_it(tmp_path):
@@ -19,7 +19,7 @@ def test_an_environment_with_its_own_interpreter_gets_a_server_and_the_main_one_
         "functions": {"mine": "pkg.mod:fn"}, "mcp": {"calc": {"url": "http://127.0.0.1:1/mcp"}},
         "verifiers": {"own": {"env_id": "some-env", "args": {"level": 2}, "python": str(python)},
                       "here": {"env_id": "other-env"}}}})
-    hubs = _hub_servers(config, tmp_path)
+    hubs = hub_servers(config, tmp_path)
     assert list(hubs) == ["own"] and hubs["own"][0] == str(python)
     assert config.reward.remote == {"own": f"{config.network.host}:{hubs['own'][1]}"}
     served = load_config(str(tmp_path / "config.env-own.yaml"), [])
@@ -41,4 +41,4 @@ def test_verifiers_data_must_name_a_verifiers_environment():
 def test_an_interpreter_that_is_not_there_is_refused_saying_how_to_make_one(tmp_path):
     config = RunConfig.model_validate({"reward": {"verifiers": {"own": {"env_id": "x", "python": "/nope/bin/python"}}}})
     with pytest.raises(SystemExit, match=r"reward.verifiers.own.python=/nope/bin/python is not a file; .*rlmesh venv"):
-        _hub_servers(config, tmp_path)
+        hub_servers(config, tmp_path)
