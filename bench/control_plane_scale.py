@@ -391,8 +391,8 @@ async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
     issuer = PromptIssuer(prompts, run_id, examples, group_size=args.group_size, groups_per_step=B, max_staleness=k)
     dropped: list[dict] = []
     admission = Admission(trajectories, type("W", (), {"write": lambda self, r: dropped.append(r)})(),
-                          max_staleness=k, drop_zero_advantage_groups=False, on_returned=issuer.returned,
-                          issued=issuer.issued, bounds=Bounds(vocab_size=1000, max_abs_reward=10, max_seq_len=4096))
+                          max_staleness=k, drop_zero_advantage_groups=False, ledger=issuer.ledger,
+                          bounds=Bounds(vocab_size=1000, max_abs_reward=10, max_seq_len=4096))
     # Announced from the first server on (the real default, weight_sync.announce_min_servers, is 32).
     broadcaster = WeightBroadcaster(membership, WeightSyncSection(timeout_s=120, announce_min_servers=1),
                                     SimulatedSender(), lambda fn, *a: asyncio.to_thread(fn, *a),
@@ -536,9 +536,9 @@ async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
         "groups_per_s": len(trained) / sum(s["wall_s"] for s in steps),
         "valkey_used_mib": info["used_memory"] / 2**20, "valkey_peak_mib": info["used_memory_peak"] / 2**20,
         "trained": len(trained), "trained_unique": len(set(trained)), "issued": issued_train,
-        "outstanding_after": issuer.in_flight, "buffered_after": len(buffer),
+        "outstanding_after": issuer.ledger.in_flight, "buffered_after": len(buffer),
         "dropped": len(dropped), "duplicates": admission.num_duplicates,
-        "lost": issued_train - len(trained) - issuer.in_flight - len(buffer) - len(dropped),
+        "lost": issued_train - len(trained) - issuer.ledger.in_flight - len(buffer) - len(dropped),
         "duplicated": len(trained) - len(set(trained)) + admission.num_duplicates,
         "critical_s_max": max(s["critical_s"] for s in steps[1:] or steps),
         "share_of_demo_step_p50": med("critical_s") / args.demo_step_s, "share_of_stand_in_p50": med("critical_s") / args.step_s,

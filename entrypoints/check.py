@@ -99,17 +99,17 @@ async def preflight(stand_in, config: RunConfig, num_groups: int, num_greedy: in
         wanted[group.group_id] = "sampled"
     greedy, groups, t0 = [], [], time.monotonic()
     bar = progress(len(wanted), "rlmesh check", "prompt groups back")
-    while any(gid in issuer.outstanding for gid in wanted):
+    while any(issuer.ledger.holds(gid) for gid in wanted):
         for entry, group in await stand_in.reader.read(0):
             await stand_in.reader.trajectories.ack(entry.id)
             kind = wanted.get(group.group_id)
-            if kind is None or group.group_id not in issuer.outstanding:
+            if kind is None or not issuer.ledger.holds(group.group_id):
                 continue
-            issuer.returned(group.group_id)
+            issuer.ledger.returned(group.group_id)
             (greedy.extend(group.samples[:1]) if kind == "greedy" else groups.append(group))
             bar.update(1)
         if time.monotonic() - t0 > timeout_s:
-            raise RunStalled(f"{sum(g in issuer.outstanding for g in wanted)} prompt groups not back after "
+            raise RunStalled(f"{sum(issuer.ledger.holds(g) for g in wanted)} prompt groups not back after "
                              f"{timeout_s:.0f}s")
     bar.close()
     return summarize(greedy, groups, config.rollout.max_tokens)

@@ -79,8 +79,8 @@ class _Reader:
 
         self.check_services()
         for group_id, by, reason in await self.dead_letters.poll():
-            if group_id in self.issuer.outstanding:
-                self.issuer.returned(group_id)
+            if self.issuer.ledger.holds(group_id):
+                self.issuer.ledger.returned(group_id)
                 self.watch.failed(f"rollout server {by}", reason, by)
         out = []
         for entry in await self.trajectories.read("learner", count=256, block_ms=500):

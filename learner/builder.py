@@ -25,6 +25,7 @@ from rlmesh.learner.controller import Components, Controller, require_model_path
 from rlmesh.learner.data.sources import load_dataset
 from rlmesh.learner.evaluator import Evaluator
 from rlmesh.learner.issuer import PromptIssuer
+from rlmesh.learner.ledger import Ledger
 from rlmesh.learner.membership import LearnerService, Membership
 from rlmesh.learner.reader import TrajectoryReader, mark_queues
 from rlmesh.learner.validation import Bounds
@@ -105,9 +106,12 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     membership = Membership(token=token, rpc_timeout_s=cfg.network.rpc_timeout_s, tls=tls)
 
     train_set, eval_set = load_dataset(cfg.data, cfg.run.seed, cfg.reward)
+    # The run's outstanding work: the issuer writes it, everyone else reads it.
+    ledger = Ledger(cfg.algorithm.group_size)
+    ledger.earlier_run_ids = note_run_id(run_dir, run_id)
     issuer = PromptIssuer(prompts, run_id, train_set, group_size=cfg.algorithm.group_size,
-                          groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.algorithm.max_staleness)
-    issuer.earlier_run_ids = note_run_id(run_dir, run_id)
+                          groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.algorithm.max_staleness,
+                          ledger=ledger)
     metrics = MetricsWriter(run_dir, trackers=trackers(cfg, run_dir, issuer, prompts, trajectories))
     broadcaster = WeightBroadcaster(membership, cfg.weight_sync, build_sender(cfg.weight_sync), run_torch,
                                     announcer=UpdateAnnouncer(queue), metrics=metrics)
@@ -120,8 +124,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
                        log_hint=str(run_dir / "logs" / "{service}.log"))
     admission = Admission(trajectories, dropped_log, max_staleness=cfg.algorithm.max_staleness,
                           drop_zero_advantage_groups=cfg.algorithm.drop_zero_advantage_groups,
-                          on_returned=issuer.returned, issued=issuer.issued, bounds=bounds(cfg, model_path),
-                          issued_before_restart=issuer.issued_before_restart, watch=watch)
+                          ledger=ledger, bounds=bounds(cfg, model_path), watch=watch)
     reader = TrajectoryReader(prompts, trajectories, run_id=run_id, issuer=issuer, admission=admission,
                               membership=membership, metrics=metrics, watch=watch)
     evaluator = Evaluator(eval_set, issuer, trajectories, metrics, check=admission.check,

@@ -140,8 +140,8 @@ class Controller:
         for name, value in state.get("counters", {}).items():
             setattr(self.admission, name, value)
         # Prompts issued before the restart still come back as trajectories: count them in flight.
-        self.issuer.resume(int(state.get("train_cursor", 0)),
-                           (await self.prompts.depth()).length + (await self.trajectories.depth()).lag)
+        self.issuer.cursor = int(state.get("train_cursor", 0))
+        self.issuer.ledger.resume((await self.prompts.depth()).length + (await self.trajectories.depth()).lag)
         replay = await self.reader.replay_pending()
         self.held_back.extend(replay)
         self.resumed_from = self.version
@@ -149,12 +149,12 @@ class Controller:
         self.trained_log.write({"resumed_from": self.version, "checkpoint": ckpt.name})
         log.info("resumed from %s at version %d: %d trained groups on record, %d unacked trajectories to "
                  "replay, ~%d groups in flight", ckpt.name, self.version, len(self.admission.trained_groups),
-                 len(replay), self.issuer.in_flight)
+                 len(replay), self.issuer.ledger.in_flight)
 
     def status(self) -> learner_pb2.LearnerStatusResponse:
         now = time.monotonic()
         return learner_pb2.LearnerStatusResponse(
-            run_id=self.run_id, version=self.version, step=self.version, num_inflight_groups=self.issuer.in_flight,
+            run_id=self.run_id, version=self.version, step=self.version, num_inflight_groups=self.issuer.ledger.in_flight,
             num_dropped_stale=self.admission.num_dropped_stale,
             generators=[learner_pb2.GeneratorInfo(generator_id=g.generator_id, address=g.address, version=g.version,
                                                   in_group=g.in_group, seconds_since_heartbeat=now - g.last_seen)
@@ -333,7 +333,7 @@ class Controller:
             "staleness_counts": {str(age): n for age, n in sorted(Counter(ages).items())},
             "num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
             "num_dropped_invalid": a.num_dropped_invalid, "num_duplicates": a.num_duplicates,
-            "num_reissued_after_invalid": a.num_reissued_after_invalid, "in_flight": self.issuer.in_flight,
+            "num_reissued_after_invalid": a.num_reissued_after_invalid, "in_flight": self.issuer.ledger.in_flight,
             "num_ranks": self.trainer.world_size, **train_metrics, **bc,
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
             # The oldest weights each rollout server generated this step's groups with (a server that

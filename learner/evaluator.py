@@ -143,7 +143,7 @@ class Evaluator:
             return None
         reason = self.check(group, version)
         del self.rounds[group.group_id]
-        self.issuer.returned(group.group_id)
+        self.issuer.ledger.returned(group.group_id)
         if group.group_id in self.sampled_ids:
             self.sampled_ids.discard(group.group_id)
             rnd.sampled.append((group.prompt.env_name, self.num_samples,

@@ -75,7 +75,7 @@ class TrajectoryReader:
             self._last_wait_log = now
             depth = await self.prompts.depth()
             gens = ", ".join(f"{g.generator_id}@v{g.version}" for g in self.membership.generators.values()) or "none"
-            message = (f"no trajectories for {now - self._last_arrival:.0f}s: {self.issuer.in_flight} groups in flight, "
+            message = (f"no trajectories for {now - self._last_arrival:.0f}s: {self.issuer.ledger.in_flight} groups in flight, "
                        f"prompt stream {depth.length} unacked ({depth.lag} undelivered), rollout servers: {gens}")
             if self.watch is not None and now - self._last_arrival > 60 and now - self._last_alert > 60:
                 self._last_alert = now  # on the console too (an alert row), once a minute
@@ -134,9 +134,9 @@ class TrajectoryReader:
         """Prompt groups of this run that a rollout server rejected (dead-lettered) are not coming
         back: they leave the in-flight count, and the stall watch hears why."""
         for group_id, by, reason in await self.dead_letters.poll():
-            if group_id not in self.issuer.outstanding:
+            if not self.issuer.ledger.holds(group_id):
                 continue  # another run's, or one already accounted for
-            self.issuer.returned(group_id)
+            self.issuer.ledger.returned(group_id)
             log.error("prompt group %s rejected by rollout server %s: %s", group_id, by, reason)
             if self.watch is not None:
                 self.watch.failed(f"rollout server {by}", reason, by)

@@ -109,5 +109,5 @@ async def poll_queues(issuer: PromptIssuer, streams: dict[str, StreamQueue], per
             QUEUE_LENGTH.labels(name).set(depth.length)
             QUEUE_LAG.labels(name).set(depth.lag)
         GROUPS_ISSUED.set(issuer.num_issued)
-        IN_FLIGHT.set(issuer.in_flight)
+        IN_FLIGHT.set(issuer.ledger.in_flight)
         await asyncio.sleep(period_s)

@@ -34,7 +34,7 @@ async def test_rejected_groups_leave_flight_and_a_rejection_of_every_group_stops
                               metrics=rows, watch=watch)
     await prompts.set_marker("run", "run")
     await issuer.issue_train(num_buffered=0, version=0)
-    assert issuer.in_flight == 4
+    assert issuer.ledger.in_flight == 4
     # A rollout server rejects two of them (and another run's group, which this run ignores).
     entries = await prompts.read("rollout-0", count=2, block_ms=100)
     for entry in entries:
@@ -44,7 +44,7 @@ async def test_rejected_groups_leave_flight_and_a_rejection_of_every_group_stops
     [other] = [e for e in rest if e.key.startswith("other")]
     await prompts.dead_letter(other, "not ours", by="rollout-1")
     await reader._check_rejected()
-    assert issuer.in_flight == 2 and watch.failed_in_a_row == 2
+    assert issuer.ledger.in_flight == 2 and watch.failed_in_a_row == 2
     for entry in rest:
         if entry.key.startswith("run/"):
             await prompts.dead_letter(entry, "VLLMValidationError: the prompt is longer than the context",
@@ -53,5 +53,5 @@ async def test_rejected_groups_leave_flight_and_a_rejection_of_every_group_stops
                                          r"VLLMValidationError: the prompt is longer .*\(its log: "
                                          r"/run/logs/rollout-0.log\)"):
         await reader._check_rejected()
-    assert issuer.in_flight == 0
+    assert issuer.ledger.in_flight == 0
     assert rows[-1]["kind"] == "alert" and rows[-1]["level"] == "fatal"

@@ -37,6 +37,22 @@ class Records:
         self.rows.append(record)
 
 
+class AllIssued:
+    """The issuer's ledger, except that every group counts as issued (by an earlier process if `restarted`)."""
+
+    def __init__(self, ledger, restarted: bool) -> None:
+        self.ledger, self.restarted = ledger, restarted
+
+    def issued(self, group):
+        return common_pb2.PromptGroup(split="train", n=len(group.samples))
+
+    def issued_before_restart(self, group_id: str) -> bool:
+        return self.restarted
+
+    def returned(self, group_id: str) -> None:
+        self.ledger.returned(group_id)
+
+
 def _issuer(k: int = 1, groups_per_step: int = 4) -> PromptIssuer:
     train = [Example(str(i), [{"role": "user", "content": f"{i}+1="}], "arithmetic", {"answer": str(i + 1)})
              for i in range(10)]
@@ -49,9 +65,8 @@ def _admission(k: int = 1, drop_flat: bool = False, issuer: PromptIssuer | None 
     # Every group counts as issued here (the issued-by-this-run rule: tests/unit/learner/test_validation.py),
     # by an earlier learner process of the run if `restarted`.
     return Admission(FakeQueue(), Records(), max_staleness=k, drop_zero_advantage_groups=drop_flat,
-                     on_returned=issuer.returned, bounds=Bounds(vocab_size=100, max_abs_reward=1e4, max_seq_len=64),
-                     issued=lambda g: common_pb2.PromptGroup(split="train", n=len(g.samples)),
-                     issued_before_restart=lambda group_id: restarted)
+                     ledger=AllIssued(issuer.ledger, restarted),
+                     bounds=Bounds(vocab_size=100, max_abs_reward=1e4, max_seq_len=64))
 
 
 def _group(gid: str, versions: list[tuple[int, int]], errors: int = 0, rewards=None) -> tuple[Entry, common_pb2.TrajectoryGroup]:
@@ -65,12 +80,12 @@ def _group(gid: str, versions: list[tuple[int, int]], errors: int = 0, rewards=N
 async def test_issuance_keeps_at_most_k_plus_one_steps_outstanding():
     issuer = _issuer(k=1, groups_per_step=4)
     await issuer.issue_train(num_buffered=0, version=0)
-    assert issuer.in_flight == 8 and len(issuer.prompts.published) == 8
+    assert issuer.ledger.in_flight == 8 and len(issuer.prompts.published) == 8
     await issuer.issue_train(num_buffered=0, version=0)
     assert len(issuer.prompts.published) == 8, "no more than (k+1)*B outstanding"
     for gid in issuer.prompts.published[:4]:
-        issuer.returned(gid)
-    assert issuer.in_flight == 4
+        issuer.ledger.returned(gid)
+    assert issuer.ledger.in_flight == 4
     await issuer.issue_train(num_buffered=4, version=1)
     assert len(issuer.prompts.published) == 8, "buffered groups count as outstanding"
 
@@ -78,7 +93,7 @@ async def test_issuance_keeps_at_most_k_plus_one_steps_outstanding():
 async def test_synchronous_mode_issues_exactly_one_step():
     issuer = _issuer(k=0, groups_per_step=4)
     await issuer.issue_train(num_buffered=0, version=0)
-    assert issuer.in_flight == 4
+    assert issuer.ledger.in_flight == 4
 
 
 def test_prompt_groups_carry_messages_and_opaque_metadata():
@@ -95,29 +110,29 @@ def test_prompt_groups_carry_messages_and_opaque_metadata():
 
 async def test_fresh_group_is_accepted():
     issuer = _issuer()
-    issuer.unknown_in_flight = 5
+    issuer.ledger.unknown_in_flight = 5
     admission = _admission(issuer=issuer)
     assert await admission.accept(*_group("a", [(2, 3)] * 4), version=3)
-    assert issuer.in_flight == 4 and admission.trajectories.acked == []
+    assert issuer.ledger.in_flight == 4 and admission.trajectories.acked == []
 
 
 async def test_too_stale_group_is_dropped_counted_and_acked():
     issuer = _issuer()
-    issuer.unknown_in_flight = 3
+    issuer.ledger.unknown_in_flight = 3
     admission = _admission(k=1, issuer=issuer)
     assert not await admission.accept(*_group("old", [(3, 4), (4, 4), (4, 4), (4, 4)]), version=5)
     assert admission.num_dropped_stale == 1 and admission.trajectories.acked == ["e-old"]
-    assert issuer.in_flight == 2
+    assert issuer.ledger.in_flight == 2
     assert admission.dropped_log.rows[0]["reason"] == "staleness 2 > max_staleness 1"
 
 
 async def test_duplicate_of_a_trained_group_is_acked_without_counting_in_flight():
     issuer = _issuer()
-    issuer.unknown_in_flight = 2
+    issuer.ledger.unknown_in_flight = 2
     admission = _admission(issuer=issuer)
     admission.trained_groups.add("dup")
     assert not await admission.accept(*_group("dup", [(0, 0)] * 4), version=0)
-    assert admission.num_duplicates == 1 and issuer.in_flight == 2 and admission.trajectories.acked == ["e-dup"]
+    assert admission.num_duplicates == 1 and issuer.ledger.in_flight == 2 and admission.trajectories.acked == ["e-dup"]
 
 
 async def test_group_from_weights_lost_in_a_restart_is_dropped():
@@ -166,7 +181,7 @@ async def test_outstanding_groups_are_reissued_after_queue_loss():
     issuer = _issuer(k=0, groups_per_step=3)
     await issuer.issue_train(num_buffered=0, version=0)
     first = list(issuer.prompts.published)
-    issuer.returned(first[0])
+    issuer.ledger.returned(first[0])
     assert await issuer.reissue_outstanding() == 2
     assert issuer.prompts.published[3:] == first[1:] and issuer.num_reissued == 2
 
@@ -181,9 +196,8 @@ async def _issued_groups(num: int = 4):
     issuer = _issuer(k=1, groups_per_step=num // 2)
     await issuer.issue_train(num_buffered=0, version=3)
     admission = Admission(FakeQueue(), Records(), max_staleness=1, drop_zero_advantage_groups=False,
-                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS,
-                          issued_before_restart=issuer.issued_before_restart)
-    return issuer, admission, [issuer._issued_groups[gid] for gid in issuer.prompts.published]
+                          ledger=issuer.ledger, bounds=BOUNDS)
+    return issuer, admission, [issuer.ledger._groups[gid] for gid in issuer.prompts.published]
 
 
 def _answer(prompt: common_pb2.PromptGroup, malformed: bool = False) -> tuple[Entry, common_pb2.TrajectoryGroup]:
@@ -230,13 +244,13 @@ async def test_a_malformed_copy_first_then_the_real_one_is_trained_and_no_group_
     gid = prompts[0].group_id
     assert not await admission.accept(*_answer(prompts[0], malformed=True), version=3)
     assert admission.num_dropped_invalid == 1 and admission.trajectories.acked == [f"e-{gid}-bad"]
-    assert "outside the vocabulary" in admission.dropped_log.rows[0]["reason"] and issuer.in_flight == 4
+    assert "outside the vocabulary" in admission.dropped_log.rows[0]["reason"] and issuer.ledger.in_flight == 4
     clock.now += 59
     await controller._reissue_malformed()
     assert issuer.prompts.published == [p.group_id for p in prompts], "not overdue yet: nothing issued again"
     assert await admission.accept(*_answer(prompts[0]), version=3), "the real copy is admitted"
     admission.trained(gid)
-    assert admission.trained_groups == {gid} and issuer.in_flight == 3
+    assert admission.trained_groups == {gid} and issuer.ledger.in_flight == 3
     clock.now += 3600
     await controller._reissue_malformed()
     assert issuer.prompts.published == [p.group_id for p in prompts] and admission.num_reissued_after_invalid == 0
@@ -244,14 +258,14 @@ async def test_a_malformed_copy_first_then_the_real_one_is_trained_and_no_group_
     assert not await admission.accept(*_answer(prompts[0], malformed=True), version=3)
     assert admission.num_dropped_invalid == 2 and "outside the vocabulary" in admission.dropped_log.rows[-1]["reason"]
     assert not await admission.accept(*_answer(prompts[0]), version=3)
-    assert admission.num_duplicates == 1 and admission.malformed == {} and issuer.in_flight == 3
+    assert admission.num_duplicates == 1 and admission.malformed == {} and issuer.ledger.in_flight == 3
 
 
 async def test_a_group_that_only_comes_back_malformed_is_issued_again_after_the_timeout(monkeypatch):
     clock = Clock()
     monkeypatch.setattr("rlmesh.learner.admission.time", clock)
     issuer, admission, prompts = await _issued_groups()
-    issuer.unknown_in_flight = 2  # and two of an earlier process (after a restart), known by count
+    issuer.ledger.unknown_in_flight = 2  # and two of an earlier process (after a restart), known by count
     controller = _controller(issuer, admission, timeout_s=60)
     old = prompts[1].group_id
     assert not await admission.accept(*_answer(prompts[1], malformed=True), version=3)
@@ -262,8 +276,8 @@ async def test_a_group_that_only_comes_back_malformed_is_issued_again_after_the_
     new = issuer.prompts.published[-1]
     assert issuer.prompts.published[:-1] == [p.group_id for p in prompts] and new != old
     assert admission.num_reissued_after_invalid == 1 and admission.retired == {old: new}
-    assert issuer.in_flight == 6, "the new id takes the old one's place in flight"
-    fresh = issuer._issued_groups[new]
+    assert issuer.ledger.in_flight == 6, "the new id takes the old one's place in flight"
+    fresh = issuer.ledger._groups[new]
     assert fresh.issued_at_version == 4 and list(fresh.messages) == list(prompts[1].messages)
     assert new.endswith("/" + old.rsplit("/", 1)[1]), "the same example"
     await controller._reissue_malformed()
@@ -271,9 +285,9 @@ async def test_a_group_that_only_comes_back_malformed_is_issued_again_after_the_
     # A late well-formed copy of the old id is dropped with its reason, never trained beside the new one.
     assert not await admission.accept(*_answer(prompts[1]), version=4)
     assert admission.dropped_log.rows[-1]["reason"].endswith(f"issued again as {new}")
-    assert admission.num_dropped_other == 1 and admission.buffered == set() and issuer.in_flight == 6
+    assert admission.num_dropped_other == 1 and admission.buffered == set() and issuer.ledger.in_flight == 6
     assert await admission.accept(*_answer(fresh), version=4)
-    assert admission.buffered == {new} and issuer.in_flight == 5
+    assert admission.buffered == {new} and issuer.ledger.in_flight == 5
 
 
 async def test_groups_whose_every_sample_errs_stop_the_run_naming_the_reward_server():

@@ -43,6 +43,19 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
         def write(self, record):
             pass
 
+    class AllIssued:  # the ledger, with every arriving group counted as this run's
+        def __init__(self, ledger):
+            self.ledger = ledger
+
+        def issued(self, group):
+            return common_pb2.PromptGroup(split=group.prompt.split, n=len(group.samples))
+
+        def issued_before_restart(self, group_id):
+            return False
+
+        def returned(self, group_id):
+            self.ledger.returned(group_id)
+
     def arrival(i: int, version: int, split: str = "train"):
         group = common_pb2.TrajectoryGroup(group_id=f"g{i}", prompt=common_pb2.PromptGroup(group_id=f"g{i}", split=split),
                                            prompt_token_ids=[1], samples=[
@@ -54,8 +67,7 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
     trajectories = Stream()
     issuer = PromptIssuer(Stream(), "run", [], group_size=4, groups_per_step=4, max_staleness=2)
     admission = Admission(trajectories, Log(), max_staleness=2, drop_zero_advantage_groups=False,
-                          on_returned=issuer.returned,
-                          issued=lambda g: common_pb2.PromptGroup(split=g.prompt.split, n=len(g.samples)),
+                          ledger=AllIssued(issuer.ledger),
                           bounds=Bounds(vocab_size=10, max_abs_reward=1e4, max_seq_len=64))
     evaluator = Evaluator([], issuer, trajectories, metrics=Log(), check=lambda group, version: "")
     controller = Controller(config, tmp_path, components(run_id="run", trajectories=trajectories, issuer=issuer,

@@ -64,8 +64,7 @@ async def test_arrivals_during_a_training_step_are_admitted_or_held_back_until_i
     issuer = PromptIssuer(prompts, "run", examples, group_size=2, groups_per_step=2, max_staleness=1)
     assert await issuer.issue_train(0, version=3) == 4
     admission = Admission(trajectories, dropped, max_staleness=1, drop_zero_advantage_groups=False,
-                          on_returned=issuer.returned, issued=issuer.issued,
-                          bounds=Bounds(vocab_size=10, max_abs_reward=5, max_seq_len=16))
+                          ledger=issuer.ledger, bounds=Bounds(vocab_size=10, max_abs_reward=5, max_seq_len=16))
     reader = TrajectoryReader(prompts, trajectories, run_id="run", issuer=issuer, admission=admission,
                               membership=None, metrics=None)
     issued = [common_pb2.PromptGroup.FromString(data) for _, data in prompts.published]
@@ -93,7 +92,7 @@ async def test_arrivals_during_a_training_step_are_admitted_or_held_back_until_i
     assert [g.group_id for _, g in ready] == [g.group_id for g in issued[:3]]
     assert [g.group_id for _, g in held_back] == [evaluation.group_id]  # for the evaluator, at the next fill
     assert trajectories.acked == ["junk"] and admission.num_dropped_invalid == 1
-    assert issuer.in_flight == 1  # three back, one still out
+    assert issuer.ledger.in_flight == 1  # three back, one still out
 
 
 async def _step_with_arrivals(flat: list[bool]) -> tuple[PromptIssuer, list]:
@@ -105,13 +104,12 @@ async def _step_with_arrivals(flat: list[bool]) -> tuple[PromptIssuer, list]:
     issuer = PromptIssuer(prompts, "run", examples, group_size=2, groups_per_step=2, max_staleness=1)
     assert await issuer.issue_train(0, version=3) == 4
     admission = Admission(trajectories, Records(), max_staleness=1, drop_zero_advantage_groups=True,
-                          on_returned=issuer.returned, issued=issuer.issued,
-                          bounds=Bounds(vocab_size=10, max_abs_reward=5, max_seq_len=16))
+                          ledger=issuer.ledger, bounds=Bounds(vocab_size=10, max_abs_reward=5, max_seq_len=16))
     reader = TrajectoryReader(prompts, trajectories, run_id="run", issuer=issuer, admission=admission,
                               membership=None, metrics=None)
     issued = [common_pb2.PromptGroup.FromString(data) for _, data in prompts.published]
     for g in issued[:2]:  # the batch now in training
-        issuer.returned(g.group_id)
+        issuer.ledger.returned(g.group_id)
     arriving = []
     for g, is_flat in zip(issued[2:], flat):
         group = returned(g, 3)
@@ -141,6 +139,6 @@ async def _step_with_arrivals(flat: list[bool]) -> tuple[PromptIssuer, list]:
 async def test_a_group_dropped_during_a_step_is_replaced_at_once_within_the_bound():
     issuer, refills = await _step_with_arrivals([False, True])
     assert refills == [1]  # one admitted, one dropped as all-equal
-    assert issuer.num_issued == 5 and issuer.in_flight == 1  # its replacement is out: 2 + 1 + 1 <= (k+1) * 2
+    assert issuer.num_issued == 5 and issuer.ledger.in_flight == 1  # its replacement is out: 2 + 1 + 1 <= (k+1) * 2
     issuer, refills = await _step_with_arrivals([False, False])
-    assert refills == [] and issuer.num_issued == 4 and issuer.in_flight == 0  # nothing dropped, nothing issued
+    assert refills == [] and issuer.num_issued == 4 and issuer.ledger.in_flight == 0  # nothing dropped, nothing issued

@@ -52,8 +52,7 @@ async def _setup(version: int = 2):
     issuer = PromptIssuer(FakeQueue(), "run-a", EXAMPLES, group_size=4, groups_per_step=2, max_staleness=1)
     await issuer.issue_train(num_buffered=0, version=version)  # 4 train groups issued at `version`
     admission = Admission(FakeQueue(), Records(), max_staleness=1, drop_zero_advantage_groups=False,
-                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS,
-                          issued_before_restart=issuer.issued_before_restart)
+                          ledger=issuer.ledger, bounds=BOUNDS)
     issued = [common_pb2.PromptGroup.FromString(data) for _, data in issuer.prompts.published]
     return issuer, admission, issued
 
@@ -75,18 +74,18 @@ def _entry(group: common_pb2.TrajectoryGroup) -> Entry:
 
 async def test_a_well_formed_issued_group_is_admitted_and_counted_back():
     issuer, admission, issued = await _setup()
-    assert issuer.in_flight == 4
+    assert issuer.ledger.in_flight == 4
     assert await admission.accept(_entry(g := trajectory(issued[0], 2)), g, version=2)
-    assert issuer.in_flight == 3 and admission.num_dropped_invalid == 0 and admission.dropped_log.rows == []
+    assert issuer.ledger.in_flight == 3 and admission.num_dropped_invalid == 0 and admission.dropped_log.rows == []
 
 
 async def test_an_unknown_group_id_is_dropped_and_changes_no_count():
     issuer, admission, issued = await _setup()
-    issuer.unknown_in_flight = 3  # after a restart: counted, but the forged id is not an earlier process's
+    issuer.ledger.unknown_in_flight = 3  # after a restart: counted, but the forged id is not an earlier process's
     forged = trajectory(issued[0], 2)
     forged.group_id = forged.prompt.group_id = "run-a/train/999/x"
     assert not await admission.accept(_entry(forged), forged, version=2)
-    assert issuer.in_flight == 7 and admission.num_dropped_invalid == 1
+    assert issuer.ledger.in_flight == 7 and admission.num_dropped_invalid == 1
     assert admission.trajectories.acked == ["e-run-a/train/999/x"]
     row = admission.dropped_log.rows[0]
     assert row["group_id"] == "run-a/train/999/x" and "not issued by this run" in row["reason"]
@@ -99,7 +98,7 @@ async def test_a_well_formed_copy_of_a_group_already_back_is_a_duplicate_and_cha
     admission.drop_flat = True
     assert not await admission.accept(_entry(group), group, version=2)  # dropped (flat), and back
     assert not await admission.accept(_entry(group), group, version=2)
-    assert issuer.in_flight == 3 and admission.num_duplicates == 1 and len(admission.dropped_log.rows) == 1
+    assert issuer.ledger.in_flight == 3 and admission.num_duplicates == 1 and len(admission.dropped_log.rows) == 1
 
 
 
@@ -148,9 +147,9 @@ async def test_a_malformed_group_is_dropped_with_its_reason_and_acked_and_its_id
     assert reason in row["reason"], row
     assert row["group_id"] == issued[0].group_id
     # Still in flight: the rollout server's well-formed copy is still to come, and is admitted.
-    assert issuer.in_flight == 4
+    assert issuer.ledger.in_flight == 4
     assert await admission.accept(_entry(real := trajectory(issued[0], 2)), real, version=2)
-    assert issuer.in_flight == 3 and admission.num_dropped_invalid == 1
+    assert issuer.ledger.in_flight == 3 and admission.num_dropped_invalid == 1
     # A malformed copy arriving after it is validated too, and dropped with the same reason.
     assert not await admission.accept(_entry(group), group, version=2)
     assert admission.num_dropped_invalid == 2 and reason in admission.dropped_log.rows[-1]["reason"]
@@ -183,7 +182,7 @@ async def test_a_group_whose_every_episode_failed_before_its_prompt_is_a_failed_
         else:
             with pytest.raises(RunStalled, match="reward server: 0 valid samples .*the reset on the reward tier failed"):
                 await admission.accept(_entry(group), group, version=2)
-    assert admission.num_dropped_invalid == 0 and not admission.malformed and issuer.in_flight == 2
+    assert admission.num_dropped_invalid == 0 and not admission.malformed and issuer.ledger.in_flight == 2
 
 
 async def _restarted(num_in_flight: int):
@@ -191,45 +190,44 @@ async def _restarted(num_in_flight: int):
     run-b tops the train groups up to its bound."""
     _, _, old_issued = await _setup()
     issuer = PromptIssuer(FakeQueue(), "run-b", EXAMPLES, group_size=4, groups_per_step=2, max_staleness=1)
-    issuer.earlier_run_ids, issuer.unknown_in_flight = {"run-a"}, num_in_flight
+    issuer.ledger.earlier_run_ids, issuer.ledger.unknown_in_flight = {"run-a"}, num_in_flight
     await issuer.issue_train(num_buffered=0, version=2)
     admission = Admission(FakeQueue(), Records(), max_staleness=1, drop_zero_advantage_groups=False,
-                          on_returned=issuer.returned, issued=issuer.issued, bounds=BOUNDS,
-                          issued_before_restart=issuer.issued_before_restart)
+                          ledger=issuer.ledger, bounds=BOUNDS)
     issued = [common_pb2.PromptGroup.FromString(data) for _, data in issuer.prompts.published]
     return issuer, admission, old_issued, issued
 
 
 async def test_weights_newer_than_the_learner_keep_their_restart_reason_only_for_an_earlier_process():
     issuer, admission, old_issued, issued = await _restarted(num_in_flight=2)
-    assert issuer.in_flight == 4 and len(issued) == 2
+    assert issuer.ledger.in_flight == 4 and len(issued) == 2
     leftover = trajectory(old_issued[0], 5)  # by weights the restart lost: dropped, and back
     assert not await admission.accept(_entry(leftover), leftover, version=2)
     assert admission.num_dropped_other == 1 and admission.num_dropped_invalid == 0
-    assert "newer than the learner" in admission.dropped_log.rows[-1]["reason"] and issuer.in_flight == 3
+    assert "newer than the learner" in admission.dropped_log.rows[-1]["reason"] and issuer.ledger.in_flight == 3
     # One this process issued cannot be (its generators were brought to the learner's weights first):
     # a malformed copy, and the id stays outstanding.
     mine = trajectory(issued[0], 5)
     assert not await admission.accept(_entry(mine), mine, version=2)
     assert admission.num_dropped_invalid == 1 and "versions 5..5" in admission.dropped_log.rows[-1]["reason"]
-    assert issuer.in_flight == 3 and list(admission.malformed) == [issued[0].group_id]
+    assert issuer.ledger.in_flight == 3 and list(admission.malformed) == [issued[0].group_id]
 
 
 async def test_groups_of_an_earlier_process_of_this_run_are_accepted_once_after_a_restart():
     issuer, admission, old_issued, _ = await _restarted(num_in_flight=4)
     group = trajectory(old_issued[0], 2)
     assert await admission.accept(_entry(group), group, version=2)
-    assert issuer.in_flight == 3
+    assert issuer.ledger.in_flight == 3
     admission.trained(group.group_id)
     assert not await admission.accept(_entry(group), group, version=2)
-    assert admission.num_duplicates == 1 and issuer.in_flight == 3
+    assert admission.num_duplicates == 1 and issuer.ledger.in_flight == 3
     wrong_size = trajectory(old_issued[1], 2)
     wrong_size.samples.pop()
     assert not await admission.accept(_entry(wrong_size), wrong_size, version=2)
-    assert "3 samples, issued for 4" in admission.dropped_log.rows[-1]["reason"] and issuer.in_flight == 3
+    assert "3 samples, issued for 4" in admission.dropped_log.rows[-1]["reason"] and issuer.ledger.in_flight == 3
     again = trajectory(old_issued[1], 2)  # the real copy, after the malformed one
     assert await admission.accept(_entry(again), again, version=2)
-    assert issuer.in_flight == 2 and admission.num_dropped_invalid == 1
+    assert issuer.ledger.in_flight == 2 and admission.num_dropped_invalid == 1
 
 
 async def test_an_eval_group_with_no_samples_is_a_failed_answer_not_a_crash():
@@ -251,7 +249,7 @@ async def test_an_eval_group_with_no_samples_is_a_failed_answer_not_a_crash():
     assert record is not None and record["num_prompts"] == 2 and record["num_errors"] == 1
     assert record["accuracy"] == 0.5
     assert "0 samples, issued for 1" in admission.dropped_log.rows[-1]["reason"]
-    assert issuer.in_flight == 4, "eval groups never count as train groups in flight"
+    assert issuer.ledger.in_flight == 4, "eval groups never count as train groups in flight"
 
 
 async def test_an_entry_that_is_no_trajectory_group_is_dropped_on_record():
