@@ -35,7 +35,7 @@ def run(k: int, seed: int, steps: int, eval_every: int, extra: list[str], out: P
 
 def read_run(run_dir: Path) -> dict:
     """A finished run's timings and accuracies, from its metrics.jsonl."""
-    from rlmesh.learner.metrics import read_metrics
+    from rlmesh.learner.trackers.metrics import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]

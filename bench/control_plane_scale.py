@@ -1,17 +1,17 @@
 """Control plane at scale: one real learner control plane and one real Valkey against N simulated
 rollout servers, for N in `--clients` (10,100,1000 by default; 10,000 runs on 2 cores), side by side.
 
-learner (this process, real code): the LearnerService gRPC server (`rlmesh.learner.membership`), the
-          prompt issuer, the trajectory admission (`rlmesh.learner.admission`, every group validated
+learner (this process, real code): the LearnerService gRPC server (`rlmesh.learner.rl.membership`), the
+          prompt issuer, the trajectory admission (`rlmesh.learner.rl.admission`, every group validated
           against what was issued, read while a step trains by `TrajectoryReader.admit_during`) and the
-          weight broadcaster's control plane (`rlmesh.learner.broadcast`: InitWeightTransfer at each
+          weight broadcaster's control plane (`rlmesh.learner.rl.broadcast`: InitWeightTransfer at each
           group rebuild; then per step one entry on a Valkey stream that every server follows and
           answers on a report stream (`rlmesh.services.weights.announce`), or with --control calls one
           UpdateWeights call per server (it pauses, receives, loads and resumes inside it); + digest
           check). The bytes are not moved: a simulated transport forms no gloo group (a 1,001-rank gloo
           group is not what this measures). It runs on uvloop, as every rlmesh tier does.
 clients (`--sim-procs` other processes): N asyncio tasks speaking the real protocols: RegisterGenerator, a
-          Heartbeat at the interval the learner's replies set (`rlmesh.learner.membership`), and the
+          Heartbeat at the interval the learner's replies set (`rlmesh.learner.rl.membership`), and the
           real queue protocol on the same Valkey (read a prompt group from the consumer group,
           "generate" for `--gen-s`, publish a well-formed TrajectoryGroup of `--group-size` samples x
           `--completion-tokens` tokens with logprobs, ack the prompt); a fake RolloutService gRPC
@@ -22,7 +22,7 @@ clients (`--sim-procs` other processes): N asyncio tasks speaking the real proto
           reader per simulator process hands each entry to all its servers, each of which answers it
           itself (`ProcessFollower`).
 The training step is a stand-in: `--step-s` seconds of a thread that sleeps (it holds no GIL, as a
-GPU step mostly does not), run the way the controller runs its step (`rlmesh.learner.controller`):
+GPU step mostly does not), run the way the controller runs its step (`rlmesh.learner.rl.controller`):
 arrivals are admitted while it runs, and the prompt top-up after each broadcast runs in the
 background. Per step the learner takes `--groups-per-step` groups (default N, one per server; with
 max_staleness 1, twice that outstanding).
@@ -335,13 +335,13 @@ class TimedAnnouncer:
 
 
 async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
-    from rlmesh.learner.admission import Admission
-    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
+    from rlmesh.learner.rl.admission import Admission
+    from rlmesh.learner.rl.broadcast import WeightBroadcaster, WeightSource
     from rlmesh.learner.data.examples import Example
-    from rlmesh.learner.issuer import PromptIssuer
-    from rlmesh.learner.membership import LearnerService, Membership
-    from rlmesh.learner.reader import TrajectoryReader, mark_queues
-    from rlmesh.learner.validation import Bounds
+    from rlmesh.learner.rl.issuer import PromptIssuer
+    from rlmesh.learner.rl.membership import LearnerService, Membership
+    from rlmesh.learner.rl.reader import TrajectoryReader, mark_queues
+    from rlmesh.learner.rl.validation import Bounds
     from rlmesh.services.config import NetworkSection, QueueSection, WeightSyncSection
     from rlmesh.services.grpc_server import ServerLimits, start_server
     from rlmesh.services.queue import connect, run_streams

@@ -31,7 +31,7 @@ async def rollout_harness(model_dir: Path, tmp: Path, *, rollout: dict | None = 
     top-level sections of the servers' config (e.g. {"learner": {"lora": ...}} to serve an adapter)."""
     import yaml
 
-    from rlmesh.learner.membership import LearnerService, Membership
+    from rlmesh.learner.rl.membership import LearnerService, Membership
     from rlmesh.v1 import learner_pb2, learner_pb2_grpc
     from rlmesh.services.grpc_server import start_server
     from rlmesh.services.ports import free_port

@@ -102,7 +102,7 @@ def warm_start(out: Path) -> Path:
 
 
 def run(side: str, seed: int, steps: int, config: Path, out: Path, receiver: Receiver) -> dict:
-    from rlmesh.learner.metrics import read_metrics
+    from rlmesh.learner.trackers.metrics import read_metrics
 
     run_dir = out / f"{side}-seed{seed}"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -114,7 +114,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     """`rlmesh up` on `config_path`, its model replaced by the shared warm start; files under work/name."""
     import yaml
 
-    from rlmesh.learner.metrics import read_metrics
+    from rlmesh.learner.trackers.metrics import read_metrics
 
     raw = yaml.safe_load(config_path.read_text())
     raw["model"] = {"type": "hf", "path": str(warm)}
@@ -213,7 +213,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     train_set, _ = load_dataset(config.data, config.run.seed)
     b, g = config.learner.groups_per_step, config.algorithm.group_size
     every = config.checkpoint.every_n_steps or EVERY  # the rlmesh side's checkpoint interval
-    # rlmesh issues train prompts in data order, cycling (rlmesh.learner.issuer): give TRL that same sequence.
+    # rlmesh issues train prompts in data order, cycling (rlmesh.learner.rl.issuer): give TRL that same sequence.
     order = [train_set.at(i) for i in range(config.learner.num_steps * b)]
     dataset = Dataset.from_list([{"prompt": ex.prompt_messages, "answer": str(ex.metadata["answer"])} for ex in order])
     env = environment(config)

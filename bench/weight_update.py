@@ -141,7 +141,7 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
     update's `send_s` is what the learner's training step waits for (`WeightBroadcaster.send`);
     `update_s` runs until `settled()`: every server has loaded, finished and resumed, digest checked."""
     from bench.harness import rollout_harness
-    from rlmesh.learner.broadcast import WeightBroadcaster
+    from rlmesh.learner.rl.broadcast import WeightBroadcaster
     from rlmesh.services.config import WeightSyncSection
     from rlmesh.services.weights import build_sender
 
@@ -236,7 +236,7 @@ def lora_row(size: str, rank: int, rounds: int, digests: list[str], snapshots: t
     server serving it (vLLM with LoRA), against a raw broadcast of the same adapter tensors."""
     import torch
 
-    from rlmesh.learner.broadcast import WeightSource
+    from rlmesh.learner.rl.broadcast import WeightSource
     from rlmesh.learner.devtools.tiny_model import write_tiny_model
     from rlmesh.learner.train.trainer import Trainer
     from rlmesh.services.config import TinyModelSection, load_config
@@ -286,7 +286,7 @@ def main() -> None:
     import torch
 
     from rlmesh.learner.devtools.tiny_model import write_tiny_model
-    from rlmesh.learner.broadcast import WeightSource
+    from rlmesh.learner.rl.broadcast import WeightSource
     from rlmesh.services.config import TinyModelSection
 
     digests = args.digests.split(",")

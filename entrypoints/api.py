@@ -182,7 +182,7 @@ class _Dispatcher:
         self.stop_reason: str | None = None
 
     def __call__(self, row: dict[str, Any]) -> None:
-        from rlmesh.learner.stop import mark_seen, request_stop
+        from rlmesh.learner.rl.stop import mark_seen, request_stop
 
         kind = row.get("kind")
         method = {"train": "on_step_end", "eval": "on_eval"}.get(kind)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlmesh.learner.watch import RunStalled
+from rlmesh.learner.rl.watch import RunStalled
 from rlmesh.services.progress import progress
 from rlmesh.services.config import HFModelSection, RunConfig
 from rlmesh.preflight import check_model_fits, printable
@@ -43,7 +43,7 @@ def rendered_prompt(config: RunConfig, model_dir: str) -> tuple[str, list[str]]:
 
 def summarize(greedy: list, groups: list, max_tokens: int) -> dict:
     """The numbers of the pre-flight from the greedy samples and the sampled groups (protobuf)."""
-    from rlmesh.learner.evaluator import CORRECT, greedy_accuracy
+    from rlmesh.learner.rl.evaluator import CORRECT, greedy_accuracy
 
     samples = [s for g in groups for s in g.samples if not s.error]
     scored_groups = [[s.reward for s in g.samples if not s.error] for g in groups]

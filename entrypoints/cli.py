@@ -329,7 +329,7 @@ _CONFIG_COMMANDS = {
     "up": "rlmesh.up:run_up",
     "reward": "rlmesh.reward_server.server:main",
     "rollout": "rlmesh.rollout_server.server:main",
-    "learner": "rlmesh.learner.builder:main",
+    "learner": "rlmesh.learner.rl.server:main",
     "sft": "rlmesh.learner.recipes.sft:main",
     "dpo": "rlmesh.learner.recipes.dpo:main",
     "tiny-model": _tiny_model,

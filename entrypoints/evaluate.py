@@ -17,19 +17,18 @@ import logging
 import os
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.learner.watch import RunStalled, StallWatch, failure_limit
+from rlmesh.learner.rl.watch import RunStalled, StallWatch, failure_limit
 from rlmesh.processes import Mesh, stop_signals_interrupt
 from rlmesh.services.config import HFModelSection, RunConfig, dump_config
 from rlmesh.preflight import check_model_fits, printable
 
 if TYPE_CHECKING:
-    from rlmesh.learner.issuer import PromptIssuer
+    from rlmesh.learner.rl.issuer import PromptIssuer
 
 log = logging.getLogger("rlmesh.eval")
 
@@ -61,7 +60,7 @@ class _Reader:
     exited, prompt groups the rollout server rejected, groups whose every sample failed."""
 
     def __init__(self, trajectories, prompts, issuer, mesh: Mesh, watch: StallWatch) -> None:
-        from rlmesh.learner.watch import DeadLetters
+        from rlmesh.learner.rl.watch import DeadLetters
 
         self.trajectories, self.issuer, self.mesh, self.watch = trajectories, issuer, mesh, watch
         self.dead_letters = DeadLetters(prompts)
@@ -122,8 +121,8 @@ Body = Callable[[StandIn], Awaitable[dict]]
 
 async def _held_out(stand_in: StandIn, config: RunConfig, timeout_s: float, output: Path) -> dict:
     """`rlmesh eval`'s work: one evaluation of the held-out set (its first answers to eval_samples.jsonl)."""
-    from rlmesh.learner.evaluator import Evaluator
-    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.rl.evaluator import Evaluator
+    from rlmesh.learner.trackers.metrics import MetricsWriter
 
     samples = MetricsWriter(output, "eval_samples.jsonl") if config.logging.eval_samples else None
     evaluator = Evaluator(stand_in.eval_set, stand_in.issuer, stand_in.reader.trajectories, _Records(),
@@ -141,34 +140,16 @@ async def _stand_in(config: RunConfig, port: int, timeout_s: float, mesh: Mesh, 
     """Serve the stand-in control plane on `port`, wait for the rollout server, run `body`.
     Raises RunStalled when it cannot finish (a service exited, every prompt fails)."""
     from rlmesh.learner.data.sources import load_dataset
-    from rlmesh.learner.issuer import PromptIssuer
-    from rlmesh.learner.membership import LearnerService, Membership
-    from rlmesh.services.auth import TLSFiles, load_token
-    from rlmesh.services.grpc_server import start_server
-    from rlmesh.services.queue import connect_queue, run_streams
-    from rlmesh.v1 import learner_pb2, learner_pb2_grpc
+    from rlmesh.learner.rl.server import partial_learner
 
-    net = config.network
-    token = load_token(net.token_file, net.token_env)
-    tls = TLSFiles.from_config(net, "learner")
-    run_id = f"eval-{uuid.uuid4().hex[:8]}"
-    prompts, trajectories = run_streams(connect_queue(config.queue, "learner"), config.queue)
-    await prompts.ensure_group()
-    await trajectories.ensure_group()
-    membership = Membership(token=token, rpc_timeout_s=net.rpc_timeout_s, tls=tls)
-    service = LearnerService(membership, run_id, lambda: learner_pb2.LearnerStatusResponse(run_id=run_id),
-                             lambda: 0)
-    name = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
-    server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, name)],
-                                host=net.host, port=port, token=token, tls=tls, insecure=net.insecure)
+    learner = await partial_learner(config, port)
     try:
         train_set, eval_set = load_dataset(config.data, config.run.seed)
-        issuer = PromptIssuer(prompts, run_id, [], group_size=1, groups_per_step=1, max_staleness=0)
         watch = StallWatch(_Records(), failure_limit=min(failure_limit(config.learner), max(len(eval_set), 1)),
                            log_hint=str(output / "logs" / "{service}.log"))
-        reader = _Reader(trajectories, prompts, issuer, mesh, watch)
+        reader = _Reader(learner.trajectories, learner.prompts, learner.issuer, mesh, watch)
         t0 = said = time.monotonic()
-        while not membership.generators:
+        while not learner.membership.generators:
             reader.check_services()
             if time.monotonic() - said > 60:
                 said = time.monotonic()
@@ -179,9 +160,9 @@ async def _stand_in(config: RunConfig, port: int, timeout_s: float, mesh: Mesh, 
                                  f"{output / 'logs' / 'rollout-0.log'}")
             await asyncio.sleep(0.5)
         print(f"rlmesh: rollout server ready after {time.monotonic() - t0:.0f}s", flush=True)
-        return await body(StandIn(issuer, reader, train_set, eval_set, watch))
+        return await body(StandIn(learner.issuer, reader, train_set, eval_set, watch))
     finally:
-        await server.stop(1.0)
+        await learner.server.stop(1.0)
 
 
 def table(record: dict) -> str:
@@ -212,10 +193,9 @@ def _serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: 
     """Start the reward and rollout servers for `resolved.model`, then run `body` in place of the
     learner (`_stand_in`); `what` is said on the console while vLLM loads."""
     from rlmesh.services.ports import free_port
-    from rlmesh.up import _pass_secrets, _wait_serving
 
     dump_config(config, output / "config.yaml")
-    _pass_secrets(mesh, config, resolved, output)
+    mesh.pass_secrets(config, resolved)
     os.environ.update(mesh.env or {})  # this process is the stand-in learner: same token and queue password
     learner_port, reward_port = free_port(), free_port()
     host = config.network.host
@@ -228,7 +208,7 @@ def _serve_stand_in(mesh: Mesh, config: RunConfig, resolved: RunConfig, output: 
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
     mesh.spawn("rollout-0", ["rollout", *base, "--port", "0", "--generator-id", "rollout-0"])
     try:
-        _wait_serving(mesh, config.network, {"reward": reward_port})
+        mesh.wait_serving(config.network, {"reward": reward_port})
     except SystemExit as err:
         raise RunStalled(str(err).removeprefix("rlmesh up: ")) from None
     print(f"rlmesh: {what}; rollout server loading vLLM", flush=True)

@@ -4,6 +4,7 @@ once every group is empty. `rlmesh up`, `rlmesh eval` and `rlmesh.train` run the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -14,6 +15,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlmesh.services.config import NetworkSection, RunConfig
 
 log = logging.getLogger("rlmesh.up")
 
@@ -65,6 +70,54 @@ class Mesh:
         cmd = [python or sys.executable, *(launcher or []), "-m", "rlmesh.cli", *argv]
         return subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=os.getcwd(), env=env)
+
+    def pass_secrets(self, config: RunConfig, resolved: RunConfig) -> None:
+        """Secrets reach the services through their environment, never through the run directory: a
+        random token for this run when none is set, the embedded queue's random password (its server
+        started here), and a password written into queue.url (taken out of the URL `resolved` gives
+        the services)."""
+        import secrets
+        from urllib.parse import unquote, urlsplit, urlunsplit
+
+        from rlmesh.services.auth import load_token
+
+        env = dict(self.env or {})
+        net = config.network
+        if not env.get(net.token_env) and load_token(net.token_file, net.token_env) is None:
+            env[net.token_env] = secrets.token_urlsafe(32)
+        queue = resolved.queue
+        if config.queue.url == "embedded":
+            from rlmesh.services.valkey import EMBEDDED_USER, start_embedded_valkey
+
+            password = secrets.token_urlsafe(32)
+            self.valkey = start_embedded_valkey(self.run_dir / "valkey", password=password)
+            queue.url, queue.username, queue.password_file = self.valkey.connection_url, EMBEDDED_USER, None
+            env[queue.password_env] = password
+        else:
+            parts = urlsplit(queue.url)
+            if parts.password is not None and not queue.password_file:
+                env[queue.password_env] = unquote(parts.password)
+                user = f"{parts.username}@" if parts.username else ""
+                queue.url = urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1]))
+        self.env = env
+
+    def wait_serving(self, network: NetworkSection, ports: dict[str, int]) -> None:
+        """Wait until each service named in `ports` ({name: port}) answers its health check; one that
+        exits first ends the wait with its log's last lines (SystemExit)."""
+        from rlmesh.services.auth import TLSFiles
+        from rlmesh.services.grpc_client import ExitedWhileStarting, wait_for_serving
+
+        services = {svc.name: svc for svc in self.services}
+        for name, port in ports.items():
+            svc = services[name]
+            tier = "learner" if name == "learner" else "reward"  # env-* processes are reward servers
+            tls = TLSFiles.from_config(network, tier)
+            try:
+                asyncio.run(wait_for_serving(f"{network.host}:{port}", what=f"{name} server", timeout_s=600,
+                                             alive=lambda svc=svc: svc.proc.poll() is None, tls=tls, peer=tier))
+            except ExitedWhileStarting:
+                raise SystemExit(f"rlmesh up: {name} exited while starting (code {svc.proc.returncode}); last lines "
+                                 f"of {svc.log_path}:\n{svc.tail()}") from None
 
     def restart(self, svc: Service) -> None:
         signal_group(svc.proc, signal.SIGKILL)  # whatever the dead service left behind (vLLM's engine)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlmesh.learner.metrics import read_metrics
+from rlmesh.learner.trackers.metrics import read_metrics
 from rlmesh.services.config import RunConfig, load_config
 
 HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}

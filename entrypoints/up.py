@@ -11,7 +11,6 @@ stopped on success, Ctrl-C or failure."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
@@ -21,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from rlmesh.env_servers import start_env_servers
-from rlmesh.learner.watch import STALLED_EXIT
+from rlmesh.learner.rl.watch import STALLED_EXIT
 from rlmesh.preflight import check_model_fits, printable
 from rlmesh.processes import Mesh, Service, stop_signals_interrupt
-from rlmesh.services.config import NetworkSection, RunConfig, dump_config
+from rlmesh.services.config import RunConfig, dump_config
 from rlmesh.services.ports import free_port
 from rlmesh.services.retry import Backoff
 
@@ -39,7 +38,7 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
            env: dict[str, str] | None = None) -> int:
     """`rlmesh up`; also the body of `rlmesh.train`, which passes `on_row` (called with every new
     metrics.jsonl row, in order, as the run goes) and `env` (extra environment of every service)."""
-    from rlmesh.learner.stop import clear_requests, mark_seen
+    from rlmesh.learner.rl.stop import clear_requests, mark_seen
     from rlmesh.services.prom import RUN_DIR_ENV
     from rlmesh.services.telemetry import setup_logging
 
@@ -112,7 +111,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
 
     # Measured once here (learner.backend.param_dtype=auto, rollout.dtype=learner), so every tier agrees.
     resolved = resolve_precision(config).model_copy(deep=True)
-    _pass_secrets(mesh, config, resolved, run_dir)
+    mesh.pass_secrets(config, resolved)
 
     # Model preparation (tiny model, SFT warm start) runs first, beside everything that does not
     # need its result: the reward server, and (with SFT) the rollout servers on the model from
@@ -137,7 +136,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     resolved_path = run_dir / "config.resolved.yaml"
     dump_config(resolved, resolved_path)
     base = ["-c", str(resolved_path)]
-    _wait_serving(mesh, config.network, env_servers)
+    mesh.wait_serving(config.network, env_servers)
     mesh.spawn("reward", ["reward", *base, "--port", str(reward_port)])
 
     def spawn_rollouts(extra: list[str]) -> None:
@@ -156,7 +155,7 @@ def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
     if not early:
         spawn_rollouts([])
 
-    _wait_serving(mesh, config.network, {"reward": reward_port, "learner": learner_port})
+    mesh.wait_serving(config.network, {"reward": reward_port, "learner": learner_port})
     print("rlmesh up: reward and learner serving; rollout servers loading vLLM", flush=True)
     return _watch(mesh, learner, config, run_dir, on_row, metrics)
 
@@ -177,54 +176,6 @@ def _wait_prepared(mesh: Mesh, prep: Service, config: RunConfig, done: Callable[
                              f"{bad.restarts} restart(s) while {prep.name} ran (run.max_restarts="
                              f"{config.run.max_restarts}). Last lines of {bad.log_path}:\n{bad.tail()}")
         time.sleep(0.1)
-
-
-def _pass_secrets(mesh: Mesh, config: RunConfig, resolved: RunConfig, run_dir: Path) -> None:
-    """Secrets reach the services through their environment, never through the run directory: a
-    random token for this run when none is set, the embedded queue's random password, and a
-    password written into queue.url (taken out of the URL the services read)."""
-    import secrets
-    from urllib.parse import unquote, urlsplit, urlunsplit
-
-    from rlmesh.services.auth import load_token
-
-    env = dict(mesh.env or {})
-    net = config.network
-    if not env.get(net.token_env) and load_token(net.token_file, net.token_env) is None:
-        env[net.token_env] = secrets.token_urlsafe(32)
-    queue = resolved.queue
-    if config.queue.url == "embedded":
-        from rlmesh.services.valkey import EMBEDDED_USER, start_embedded_valkey
-
-        password = secrets.token_urlsafe(32)
-        mesh.valkey = start_embedded_valkey(run_dir / "valkey", password=password)
-        queue.url, queue.username, queue.password_file = mesh.valkey.connection_url, EMBEDDED_USER, None
-        env[queue.password_env] = password
-    else:
-        parts = urlsplit(queue.url)
-        if parts.password is not None and not queue.password_file:
-            env[queue.password_env] = unquote(parts.password)
-            user = f"{parts.username}@" if parts.username else ""
-            queue.url = urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1]))
-    mesh.env = env
-
-
-def _wait_serving(mesh: Mesh, network: NetworkSection, ports: dict[str, int]) -> None:
-    from rlmesh.services.auth import TLSFiles
-    from rlmesh.services.grpc_client import ExitedWhileStarting, wait_for_serving
-
-    services = {svc.name: svc for svc in mesh.services}
-    host = network.host
-    for name, port in ports.items():
-        svc = services[name]
-        tier = "learner" if name == "learner" else "reward"  # env-* processes are reward servers
-        tls = TLSFiles.from_config(network, tier)
-        try:
-            asyncio.run(wait_for_serving(f"{host}:{port}", what=f"{name} server", timeout_s=600,
-                                         alive=lambda svc=svc: svc.proc.poll() is None, tls=tls, peer=tier))
-        except ExitedWhileStarting:
-            raise SystemExit(f"rlmesh up: {name} exited while starting (code {svc.proc.returncode}); last lines of "
-                             f"{svc.log_path}:\n{svc.tail()}") from None
 
 
 def torchrun_args(config: RunConfig) -> list[str] | None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.learner.metrics import MetricsWriter
+from rlmesh.learner.trackers.metrics import MetricsWriter
 from rlmesh.services.config import DPOSection, default
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlmesh.learner.metrics import Tracker
+from rlmesh.learner.trackers.metrics import Tracker
 
 __all__ = ["RunFiles", "Tracker", "flat_config", "scalars"]
 

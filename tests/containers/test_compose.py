@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmesh.learner.metrics import surviving_lineage
+from rlmesh.learner.trackers.metrics import surviving_lineage
 from rlmesh.services.ports import free_port
 
 # The first test builds the images and runs the stack (module fixture): ~20 minutes here with the images built.

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmesh.learner.metrics import surviving_lineage
+from rlmesh.learner.trackers.metrics import surviving_lineage
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 

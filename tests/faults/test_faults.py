@@ -22,7 +22,7 @@ import psutil
 import pytest
 import redis
 
-from rlmesh.learner.metrics import read_metrics, surviving_lineage
+from rlmesh.learner.trackers.metrics import read_metrics, surviving_lineage
 from rlmesh.services.ports import free_port
 from rlmesh.services.queue import TRAJECTORY_GROUP
 from tests.e2e.test_mesh import Up, _cmdline

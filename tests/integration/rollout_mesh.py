@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from rlmesh.learner.broadcast import WeightBroadcaster
-from rlmesh.learner.membership import LearnerService, Membership
+from rlmesh.learner.rl.broadcast import WeightBroadcaster
+from rlmesh.learner.rl.membership import LearnerService, Membership
 from rlmesh.services.config import WeightSyncSection
 from rlmesh.services.grpc_server import start_server
 from rlmesh.services.ports import free_port

@@ -21,8 +21,8 @@ import yaml
 from google.protobuf.struct_pb2 import Struct
 
 from rlmesh.learner.train.batch import Sequence, pack
-from rlmesh.learner.membership import LearnerService, Membership
-from rlmesh.learner.validation import Bounds, problems
+from rlmesh.learner.rl.membership import LearnerService, Membership
+from rlmesh.learner.rl.validation import Bounds, problems
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from rlmesh.services.grpc_server import start_server
 from rlmesh.services.ports import free_port
@@ -170,7 +170,7 @@ async def test_trained_ids_are_the_sampled_ids_across_turns(mesh):
     tok = AutoTokenizer.from_pretrained(mesh["model"])
     model = AutoModelForCausalLM.from_pretrained(mesh["model"], dtype=torch.float32).eval()
     seqs, num_retokenized_differently = [], 0
-    # The learner admits every one of these real multi-turn groups (rlmesh.learner.validation).
+    # The learner admits every one of these real multi-turn groups (rlmesh.learner.rl.validation).
     bounds = Bounds(vocab_size=model.config.vocab_size, max_abs_reward=1e4,
                     max_seq_len=model.config.max_position_embeddings)
     assert {g.group_id: problems(got[g.group_id], g, 0, bounds) for g in groups} == {g.group_id: "" for g in groups}

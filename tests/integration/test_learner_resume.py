@@ -82,7 +82,7 @@ def test_learner_crash_resumes_without_losing_or_repeating_trajectories(tiny_mod
     assert summary["resumed_from"] == resumed_from and summary["num_steps"] == 8
     assert f"resumed from step_{resumed_from:06d}" in logs["learner"].read_text()
 
-    from rlmesh.learner.metrics import surviving_lineage
+    from rlmesh.learner.trackers.metrics import surviving_lineage
 
     rows = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
     first_run, second_run = rows[:lines_before], rows[lines_before:]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from rlmesh.learner.broadcast import WeightSource
+from rlmesh.learner.rl.broadcast import WeightSource
 from rlmesh.v1 import common_pb2, rollout_pb2
 from tests.integration.rollout_mesh import rollout_mesh
 

@@ -6,9 +6,9 @@ import uuid
 import pytest
 
 from rlmesh.learner.data.examples import Example
-from rlmesh.learner.issuer import PromptIssuer
-from rlmesh.learner.reader import TrajectoryReader
-from rlmesh.learner.watch import RunStalled, StallWatch
+from rlmesh.learner.rl.issuer import PromptIssuer
+from rlmesh.learner.rl.reader import TrajectoryReader
+from rlmesh.learner.rl.watch import RunStalled, StallWatch
 from rlmesh.services.queue import StreamQueue, connect
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.learner.metrics import MetricsWriter
+from rlmesh.learner.trackers.metrics import MetricsWriter
 from rlmesh.learner.trackers import build_trackers
 from rlmesh.services.config import LoggingSection
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from rlmesh.learner.metrics import read_metrics, surviving_lineage
+from rlmesh.learner.trackers.metrics import read_metrics, surviving_lineage
 from rlmesh.v1 import common_pb2
 
 PROMPTS, TRAJECTORIES = "rlmesh:prompts", "rlmesh:trajectories"

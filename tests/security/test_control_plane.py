@@ -10,7 +10,7 @@ import subprocess
 import grpc
 import pytest
 
-from rlmesh.learner.builder import POLICY as LEARNER_POLICY
+from rlmesh.learner.rl.server import POLICY as LEARNER_POLICY
 from rlmesh.reward_server.server import POLICY as REWARD_POLICY
 from rlmesh.reward_server.service import RewardService
 from rlmesh.rollout_server.server import POLICY as ROLLOUT_POLICY

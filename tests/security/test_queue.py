@@ -11,7 +11,6 @@ import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
 from rlmesh.processes import Mesh
-from rlmesh.up import _pass_secrets
 from rlmesh.services.config import dump_config, load_config
 from rlmesh.services.queue import StreamQueue, connect_queue
 
@@ -30,7 +29,7 @@ def up_queue(tmp_path):
     config = load_config(None, ["queue.url=embedded"])
     mesh = Mesh(run_dir)
     resolved = config.model_copy(deep=True)
-    _pass_secrets(mesh, config, resolved, run_dir)
+    mesh.pass_secrets(config, resolved)
     dump_config(config, run_dir / "config.yaml")
     dump_config(resolved, run_dir / "config.resolved.yaml")
     yield mesh, resolved, run_dir
@@ -77,7 +76,7 @@ def test_a_password_in_queue_url_is_redacted_and_moved_to_the_environment(tmp_pa
     config = load_config(None, ["queue.url=redis://app:s3cr%21t@queue.internal:6379/0"])
     mesh = Mesh(tmp_path / "run")
     resolved = config.model_copy(deep=True)
-    _pass_secrets(mesh, config, resolved, tmp_path / "run")
+    mesh.pass_secrets(config, resolved)
     dump_config(config, tmp_path / "run" / "config.yaml")
     dump_config(resolved, tmp_path / "run" / "config.resolved.yaml")
     assert resolved.queue.url == "redis://app@queue.internal:6379/0"
@@ -98,7 +97,7 @@ def test_a_run_given_a_token_passes_that_one_and_makes_none(tmp_path, monkeypatc
     monkeypatch.setenv("RLMESH_TOKEN", "given")
     config = load_config(None, ["queue.url=redis://127.0.0.1:1/0"])
     mesh = Mesh(tmp_path / "run")
-    _pass_secrets(mesh, config, config.model_copy(deep=True), tmp_path / "run")
+    mesh.pass_secrets(config, config.model_copy(deep=True))
     assert "RLMESH_TOKEN" not in mesh.env  # the services inherit the given one
 
 

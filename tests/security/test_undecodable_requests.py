@@ -12,7 +12,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from rlmesh.learner.membership import LearnerService, Membership
+from rlmesh.learner.rl.membership import LearnerService, Membership
 from rlmesh.reward_server.service import RewardService
 from rlmesh.services.grpc_client import make_channel
 from rlmesh.services.grpc_server import start_server

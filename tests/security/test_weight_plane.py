@@ -26,7 +26,7 @@ import pytest_asyncio
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource  # noqa: E402
+from rlmesh.learner.rl.broadcast import WeightBroadcaster, WeightSource  # noqa: E402
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
 from rlmesh.services.weights import build_sender  # noqa: E402
 from rlmesh.services.weights.wire import weights_digest  # noqa: E402

@@ -18,7 +18,7 @@ import pytest
 import rlmesh
 from rlmesh.api import (REWARD_FN_ENV, Callback, StopTraining, _Dispatcher, resolve_config,
                                     reward_fn_import_path)
-from rlmesh.learner.stop import (CALLBACKS_SEEN, STOP_REQUEST, clear_requests, mark_seen, request_stop, stop_requested,
+from rlmesh.learner.rl.stop import (CALLBACKS_SEEN, STOP_REQUEST, clear_requests, mark_seen, request_stop, stop_requested,
                                  wait_until_seen)
 from rlmesh.services.config import ConfigError, RunConfig
 
@@ -248,7 +248,7 @@ async def test_the_learner_waits_for_attached_callbacks_only(tmp_path):
 FAKE_LEARNER = '''
 import asyncio, json, sys, time
 from pathlib import Path
-from rlmesh.learner.stop import stop_requested, wait_until_seen
+from rlmesh.learner.rl.stop import stop_requested, wait_until_seen
 run_dir = Path(sys.argv[1])
 metrics = (run_dir / "metrics.jsonl").open("a", buffering=1)
 metrics.write(json.dumps({"kind": "eval", "version": 0, "accuracy": 0.25}) + "\\n")
@@ -272,7 +272,7 @@ metrics.write(json.dumps({"kind": "eval", "version": version, "accuracy": 0.75})
 def test_the_launchers_watch_loop_feeds_callbacks_and_its_stop_ends_the_learner(tmp_path):
     from rlmesh.processes import Mesh, Service
     from rlmesh.up import _watch
-    from rlmesh.learner.stop import mark_seen
+    from rlmesh.learner.rl.stop import mark_seen
 
     (tmp_path / "learner.py").write_text(FAKE_LEARNER)
     run_dir = tmp_path / "run"

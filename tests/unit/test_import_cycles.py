@@ -89,10 +89,10 @@ def test_a_planted_cycle_is_caught():
     """The check can fail: a back-import from a component into the controller closes a loop,
     whether it is lazy (inside a function) or only for type checking."""
     graph = import_graph()
-    assert "rlmesh.learner.issuer" in graph["rlmesh.learner.controller"]
-    for back in ("def f():\n    from rlmesh.learner import controller\n",
-                 "if TYPE_CHECKING:\n    from rlmesh.learner.controller import Controller\n"):
-        planted = {**graph, "rlmesh.learner.issuer":
-                   graph["rlmesh.learner.issuer"] | _imported(ast.parse(back), set(graph))}
+    assert "rlmesh.learner.rl.issuer" in graph["rlmesh.learner.rl.controller"]
+    for back in ("def f():\n    from rlmesh.learner.rl import controller\n",
+                 "if TYPE_CHECKING:\n    from rlmesh.learner.rl.controller import Controller\n"):
+        planted = {**graph, "rlmesh.learner.rl.issuer":
+                   graph["rlmesh.learner.rl.issuer"] | _imported(ast.parse(back), set(graph))}
         found = cycles(planted)
-        assert len(found) == 1 and {"rlmesh.learner.controller", "rlmesh.learner.issuer"} <= set(found[0]), back
+        assert len(found) == 1 and {"rlmesh.learner.rl.controller", "rlmesh.learner.rl.issuer"} <= set(found[0]), back

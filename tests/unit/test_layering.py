@@ -25,37 +25,35 @@ ENTRYPOINTS = tuple(sorted(f"rlmesh.{p.stem}" for p in (REPO / "entrypoints").gl
 ENGINE = "rlmesh.learner.train"
 # data/ (examples, sources, hf for `data.type: hf`) is one concept: the examples every recipe and the
 # RL service read.
-DATA = ("rlmesh.learner.data",)
-# The experiment trackers take the metrics records of the RL learner and of the offline recipes alike.
+DATA = "rlmesh.learner.data"
+# metrics.jsonl, the reward curve and the experiment trackers: the records of the RL service and of the
+# offline recipes alike.
 TRACKERS = "rlmesh.learner.trackers"
-LEARNER_SHARED = (*DATA, "rlmesh.learner.metrics", TRACKERS)
+RL = "rlmesh.learner.rl"
 
-# Layers, most specific prefix first: a module belongs to the first layer its name starts with.
+# Layers, most specific prefix first: a module belongs to the first layer its name starts with. One rule
+# per folder.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rlmesh.v1", (V1,)),
     ("rlmesh.services.domain", (V1, DOMAIN)),
     ("rlmesh.services", (V1, SERVICES)),
-    ("rlmesh.learner.train", (V1, DOMAIN, SERVICES, ENGINE)),
+    (ENGINE, (V1, DOMAIN, SERVICES, ENGINE)),
     ("rlmesh.learner.devtools", (V1, DOMAIN, SERVICES, "rlmesh.learner.devtools")),
-    ("rlmesh.learner.data", (V1, DOMAIN, SERVICES, *DATA)),
-    ("rlmesh.learner.metrics", (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics")),
-    # the Prometheus hook polls the RL learner's issuer and queues: part of the RL service
-    ("rlmesh.learner.trackers.prometheus", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED, "rlmesh.learner")),
-    (TRACKERS, (V1, DOMAIN, SERVICES, "rlmesh.learner.metrics", TRACKERS)),
-    ("rlmesh.learner.recipes", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED,
-                                "rlmesh.learner.devtools", "rlmesh.learner.recipes")),
-    # the RL learner service: controller, builder and the components they wire
-    ("rlmesh.learner", (V1, DOMAIN, SERVICES, ENGINE, *LEARNER_SHARED, "rlmesh.learner")),
+    (DATA, (V1, DOMAIN, SERVICES, DATA)),
+    (TRACKERS, (V1, DOMAIN, SERVICES, TRACKERS)),
+    ("rlmesh.learner.recipes", (V1, DOMAIN, SERVICES, ENGINE, DATA, TRACKERS, "rlmesh.learner.devtools",
+                                "rlmesh.learner.recipes")),
+    # the RL learner service: server and controller, and the parts they wire
+    (RL, (V1, DOMAIN, SERVICES, ENGINE, DATA, TRACKERS, RL)),
+    ("rlmesh.learner", ()),  # the folder itself: its rooms only
     ("rlmesh.rollout_server", (V1, DOMAIN, SERVICES, "rlmesh.rollout_server")),
     ("rlmesh.reward_server", (V1, DOMAIN, SERVICES, "rlmesh.reward_server")),
     *((name, ("rlmesh",)) for name in ENTRYPOINTS),
     # the package root: the light Python API facade, which forwards to rlmesh.api
     ("rlmesh", (V1, "rlmesh.api")),
 ]
-# Inside an allowed prefix, what a layer still may not import.
-DENIED = {"rlmesh.learner": ("rlmesh.learner.recipes", "rlmesh.learner.devtools")}
-# The learner service's modules that wire the others; no component may import them.
-DRIVERS = ("rlmesh.learner.controller", "rlmesh.learner.builder")
+# The RL service's modules that wire the others; no part of it may import them.
+DRIVERS = ("rlmesh.learner.rl.controller", "rlmesh.learner.rl.server")
 
 
 def _module_name(path: Path) -> str:
@@ -76,7 +74,7 @@ def _imports(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            # `from rlmesh.learner import controller` imports rlmesh.learner.controller
+            # `from rlmesh.learner import controller` imports rlmesh.learner.rl.controller
             names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
 
@@ -106,8 +104,7 @@ def violations(modules: dict[str, set[str]]) -> list[str]:
         layer, allowed = layer_of(module)
         for name in sorted(names):
             # `from rlmesh.x import y` also lists rlmesh.x.y, which may be a function, not a module
-            if not any(_within(name, a) or _within(a, name) for a in allowed) \
-                    or any(_within(name, d) for d in DENIED.get(layer, ())):
+            if not any(_within(name, a) or _within(a, name) for a in allowed):
                 bad.append(f"{module} ({layer}) imports {name}")
             if any(_within(name, d) for d in DRIVERS) and not any(_within(module, d) for d in DRIVERS) \
                     and layer not in ENTRYPOINTS:
@@ -146,11 +143,13 @@ def test_a_planted_back_import_is_caught():
     component importing the controller and plumbing importing a tier are all reported."""
     modules = source_modules()
     planted = {
-        "rlmesh.rollout_server.worker": "rlmesh.learner.issuer",
-        "rlmesh.learner.train.trainer": "rlmesh.learner.controller",
-        "rlmesh.learner.evaluator": "rlmesh.learner.controller",
+        "rlmesh.rollout_server.worker": "rlmesh.learner.rl.issuer",
+        "rlmesh.learner.train.trainer": "rlmesh.learner.rl.controller",
+        "rlmesh.learner.rl.evaluator": "rlmesh.learner.rl.controller",
         "rlmesh.services.queue": "rlmesh.reward_server.service",
-        "rlmesh.learner.controller": "rlmesh.learner.recipes.sft",
+        "rlmesh.learner.rl.controller": "rlmesh.learner.recipes.sft",
+        "rlmesh.learner.trackers.metrics": "rlmesh.learner.rl.ledger",
+        "rlmesh.learner.data.sources": "rlmesh.learner.trackers.base",
     }
     for module, name in planted.items():
         assert module in modules, module

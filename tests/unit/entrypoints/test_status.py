@@ -5,7 +5,7 @@ import json
 import socket
 
 from rlmesh.cli import main
-from rlmesh.learner.trackers.prometheus import PrometheusTracker
+from rlmesh.learner.rl.prom import PrometheusTracker
 from rlmesh.services.config import RunConfig, dump_config
 from rlmesh.services.prom import serve_metrics
 

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.learner.admission import Admission
+from rlmesh.learner.rl.admission import Admission
 from rlmesh.learner.data.examples import Example
-from rlmesh.learner.issuer import PromptIssuer
-from rlmesh.learner.validation import Bounds
+from rlmesh.learner.rl.issuer import PromptIssuer
+from rlmesh.learner.rl.validation import Bounds
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import Entry
 
@@ -216,7 +216,7 @@ def _answer(prompt: common_pb2.PromptGroup, malformed: bool = False) -> tuple[En
 def _controller(issuer: PromptIssuer, admission: Admission, timeout_s: float):
     from dataclasses import fields
 
-    from rlmesh.learner.controller import Components, Controller
+    from rlmesh.learner.rl.controller import Components, Controller
     from rlmesh.services.config import load_config
 
     config = load_config(None, ["model.type=hf", "model.path=unused", "algorithm.max_staleness=1",
@@ -238,7 +238,7 @@ class Clock:
 
 async def test_a_malformed_copy_first_then_the_real_one_is_trained_and_no_group_is_lost(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("rlmesh.learner.admission.time", clock)
+    monkeypatch.setattr("rlmesh.learner.rl.admission.time", clock)
     issuer, admission, prompts = await _issued_groups()
     controller = _controller(issuer, admission, timeout_s=60)
     gid = prompts[0].group_id
@@ -263,7 +263,7 @@ async def test_a_malformed_copy_first_then_the_real_one_is_trained_and_no_group_
 
 async def test_a_group_that_only_comes_back_malformed_is_issued_again_after_the_timeout(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr("rlmesh.learner.admission.time", clock)
+    monkeypatch.setattr("rlmesh.learner.rl.admission.time", clock)
     issuer, admission, prompts = await _issued_groups()
     issuer.ledger.unknown_in_flight = 2  # and two of an earlier process (after a restart), known by count
     controller = _controller(issuer, admission, timeout_s=60)
@@ -291,7 +291,7 @@ async def test_a_group_that_only_comes_back_malformed_is_issued_again_after_the_
 
 
 async def test_groups_whose_every_sample_errs_stop_the_run_naming_the_reward_server():
-    from rlmesh.learner.watch import RunStalled, StallWatch
+    from rlmesh.learner.rl.watch import RunStalled, StallWatch
 
     admission = _admission()
     admission.watch = StallWatch(Records(), failure_limit=3, zero_signal_limit=4)

@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource  # noqa: E402
-from rlmesh.learner.membership import Membership  # noqa: E402
+from rlmesh.learner.rl.broadcast import WeightBroadcaster, WeightSource  # noqa: E402
+from rlmesh.learner.rl.membership import Membership  # noqa: E402
 from rlmesh.rollout_server.service import RolloutService  # noqa: E402
 from rlmesh.services.config import WeightSyncSection  # noqa: E402
 from rlmesh.services.grpc_server import start_server  # noqa: E402

@@ -5,7 +5,7 @@ from dataclasses import fields
 
 import pytest
 
-from rlmesh.learner.controller import Components, Controller
+from rlmesh.learner.rl.controller import Components, Controller
 from rlmesh.services.config import load_config
 
 
@@ -15,7 +15,7 @@ def components(**given) -> Components:
 
 
 async def test_the_builder_refuses_a_model_it_cannot_load(tmp_path):
-    from rlmesh.learner.builder import build_controller
+    from rlmesh.learner.rl.server import build_controller
 
     with pytest.raises(ValueError, match="model.type=hf"):
         await build_controller(load_config(None, []), tmp_path, 0)
@@ -24,10 +24,10 @@ async def test_the_builder_refuses_a_model_it_cannot_load(tmp_path):
 async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_batch_is_already_buffered(tmp_path):
     """They were lost before: with a full batch already buffered (k >= 2), _fill returned at once and
     dropped them, so they were never trained nor acked and counted as in flight forever."""
-    from rlmesh.learner.admission import Admission
-    from rlmesh.learner.evaluator import Evaluator
-    from rlmesh.learner.issuer import PromptIssuer
-    from rlmesh.learner.validation import Bounds
+    from rlmesh.learner.rl.admission import Admission
+    from rlmesh.learner.rl.evaluator import Evaluator
+    from rlmesh.learner.rl.issuer import PromptIssuer
+    from rlmesh.learner.rl.validation import Bounds
     from rlmesh.v1 import common_pb2
     from rlmesh.services.queue import Entry
 

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlmesh.learner.ledger import Ledger
+from rlmesh.learner.rl.ledger import Ledger
 from rlmesh.services.domain.pass_at_k import pass_at_k
 from rlmesh.learner.data.examples import Example
-from rlmesh.learner.evaluator import Evaluator
+from rlmesh.learner.rl.evaluator import Evaluator
 from rlmesh.services.config import load_config
 from rlmesh.v1 import common_pb2
 

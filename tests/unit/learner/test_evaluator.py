@@ -4,9 +4,9 @@ cut off by the turn budget counts as wrong instead of switching the record to me
 import asyncio
 from types import SimpleNamespace
 
-from rlmesh.learner.ledger import Ledger
+from rlmesh.learner.rl.ledger import Ledger
 from rlmesh.learner.data.examples import Example
-from rlmesh.learner.evaluator import Evaluator
+from rlmesh.learner.rl.evaluator import Evaluator
 from rlmesh.v1 import common_pb2
 
 

@@ -9,7 +9,7 @@ import time
 
 SCRIPT = """
 import threading
-from rlmesh.learner.builder import exit_if_held
+from rlmesh.learner.rl.server import exit_if_held
 
 stuck = threading.Event()
 threading.Thread(target=stuck.wait, name="stuck-transfer").start()  # non-daemon: holds the interpreter's exit

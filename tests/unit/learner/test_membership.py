@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from rlmesh.learner.membership import HEARTBEATS_PER_S, MIN_HEARTBEAT_S, LearnerService, Membership
+from rlmesh.learner.rl.membership import HEARTBEATS_PER_S, MIN_HEARTBEAT_S, LearnerService, Membership
 from rlmesh.services.grpc_client import make_channel
 from rlmesh.services.grpc_server import start_server
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.learner.metrics import MetricsWriter
+from rlmesh.learner.trackers.metrics import MetricsWriter
 
 
 class SlowTracker:

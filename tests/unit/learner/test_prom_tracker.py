@@ -2,7 +2,7 @@
 
 from prometheus_client import REGISTRY
 
-from rlmesh.learner.trackers.prometheus import PrometheusTracker
+from rlmesh.learner.rl.prom import PrometheusTracker
 
 
 def _value(name, **labels):

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from rlmesh.learner.admission import Admission
+from rlmesh.learner.rl.admission import Admission
 from rlmesh.learner.data.examples import Example
-from rlmesh.learner.issuer import PromptIssuer
-from rlmesh.learner.reader import TrajectoryReader
-from rlmesh.learner.validation import Bounds
+from rlmesh.learner.rl.issuer import PromptIssuer
+from rlmesh.learner.rl.reader import TrajectoryReader
+from rlmesh.learner.rl.validation import Bounds
 from rlmesh.services.queue import Entry
 from rlmesh.v1 import common_pb2
 

@@ -4,7 +4,7 @@ import json
 
 from PIL import Image
 
-from rlmesh.learner.metrics import current_rows, plot_reward_curve
+from rlmesh.learner.trackers.metrics import current_rows, plot_reward_curve
 
 
 def _write(path, rows):

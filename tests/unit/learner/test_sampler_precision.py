@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlmesh.learner.builder import sampler_precision_warning
+from rlmesh.learner.rl.server import sampler_precision_warning
 from rlmesh.services.config import load_config
 
 

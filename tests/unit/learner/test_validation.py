@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlmesh.learner.admission import Admission
+from rlmesh.learner.rl.admission import Admission
 from rlmesh.learner.data.examples import Example
-from rlmesh.learner.evaluator import Evaluator
-from rlmesh.learner.issuer import PromptIssuer
-from rlmesh.learner.validation import Bounds
+from rlmesh.learner.rl.evaluator import Evaluator
+from rlmesh.learner.rl.issuer import PromptIssuer
+from rlmesh.learner.rl.validation import Bounds
 from rlmesh.services.queue import Entry
 from rlmesh.v1 import common_pb2
 
@@ -168,7 +168,7 @@ async def test_a_failed_sample_is_not_checked_it_is_never_trained():
 async def test_a_group_whose_every_episode_failed_before_its_prompt_is_a_failed_group_not_a_malformed_one():
     """Episodes whose reset failed have no prompt to share: the group comes back with no prompt tokens,
     and counts as failed (the stall watch sees it), instead of waiting for a copy that never comes."""
-    from rlmesh.learner.watch import RunStalled, StallWatch
+    from rlmesh.learner.rl.watch import RunStalled, StallWatch
 
     issuer, admission, issued = await _setup()
     admission.watch = StallWatch(Records(), failure_limit=2)

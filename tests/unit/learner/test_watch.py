@@ -3,7 +3,7 @@ error; groups with no reward signal are reported with the numbers, then stop the
 
 import pytest
 
-from rlmesh.learner.watch import RunStalled, StallWatch, failure_limit, zero_signal_limit
+from rlmesh.learner.rl.watch import RunStalled, StallWatch, failure_limit, zero_signal_limit
 from rlmesh.services.config import LearnerSection
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rlmesh.learner.membership import Membership
+from rlmesh.learner.rl.membership import Membership
 from rlmesh.rollout_server.generator import VLLMGenerator
 from rlmesh.rollout_server.service import RolloutService
 from rlmesh.services.config import RolloutSection, WeightSyncSection

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-DEFINED_IN = ["learner/trackers/prometheus.py", "rollout_server/prom.py", "reward_server/prom.py"]
+DEFINED_IN = ["learner/rl/prom.py", "rollout_server/prom.py", "reward_server/prom.py"]
 
 
 def test_every_dashboard_query_names_a_defined_metric():

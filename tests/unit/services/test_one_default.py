@@ -31,7 +31,7 @@ KNOWN = {
     ("services/ports.py", "host"): SAME_NAME_ONLY + " (the interface a free port is looked for on)",
     ("services/grpc_server.py", "port"): SAME_NAME_ONLY + " (0: any free port)",
     ("reward_server/sandbox.py", "max_concurrency"): STDLIB_ONLY,
-    ("learner/stop.py", "timeout_s"): SAME_NAME_ONLY + " (how long to wait for callbacks, not weight_sync.timeout_s)",
+    ("learner/rl/stop.py", "timeout_s"): SAME_NAME_ONLY + " (how long to wait for callbacks, not weight_sync.timeout_s)",
 }
 
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 from rlmesh.services.domain.pass_at_k import mean_pass_at_k
 from rlmesh.learner.data.examples import Example
-from rlmesh.learner.issuer import PromptIssuer
+from rlmesh.learner.rl.issuer import PromptIssuer
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import Entry, StreamQueue
 
 if TYPE_CHECKING:
-    from rlmesh.learner.metrics import MetricsWriter
-    from rlmesh.learner.reader import Arrivals
+    from rlmesh.learner.trackers.metrics import MetricsWriter
+    from rlmesh.learner.rl.reader import Arrivals
 
 log = logging.getLogger(__name__)
 

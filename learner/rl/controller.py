@@ -1,6 +1,6 @@
 """The learner's controller. Owns resume and the main loop on rank 0 — issue prompt groups
 within the staleness bound, admit trajectory groups, train, broadcast weights, evaluate,
-checkpoint, ack — driving components it is given (`rlmesh.learner.builder` builds and wires them,
+checkpoint, ack — driving components it is given (`rlmesh.learner.rl.server` builds and wires them,
 and runs the `rlmesh learner` process; none of them imports this module). Other ranks only follow
 rank 0's training commands (`rlmesh.learner.train.trainer`)."""
 
@@ -15,22 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlmesh.learner.admission import Admission, staleness
-from rlmesh.learner.evaluator import Evaluator, episode_stats
-from rlmesh.learner.issuer import PromptIssuer
-from rlmesh.learner.membership import Membership
-from rlmesh.learner.stop import stop_requested, wait_until_seen
+from rlmesh.learner.rl.admission import Admission, staleness
+from rlmesh.learner.rl.evaluator import Evaluator, episode_stats
+from rlmesh.learner.rl.issuer import PromptIssuer
+from rlmesh.learner.rl.membership import Membership
+from rlmesh.learner.rl.stop import stop_requested, wait_until_seen
 from rlmesh.learner.train.schedule import learning_rate
 from rlmesh.v1 import common_pb2, learner_pb2
 from rlmesh.services.config import HFModelSection, RunConfig
 from rlmesh.services.telemetry import record_span
 
 if TYPE_CHECKING:
-    from rlmesh.learner.broadcast import TorchRunner, WeightBroadcaster, WeightSource
-    from rlmesh.learner.metrics import MetricsWriter
-    from rlmesh.learner.reader import Arrivals, TrajectoryReader
+    from rlmesh.learner.rl.broadcast import TorchRunner, WeightBroadcaster, WeightSource
+    from rlmesh.learner.trackers.metrics import MetricsWriter
+    from rlmesh.learner.rl.reader import Arrivals, TrajectoryReader
     from rlmesh.learner.train.trainer import Trainer
-    from rlmesh.learner.watch import StallWatch
+    from rlmesh.learner.rl.watch import StallWatch
     from rlmesh.services.queue import StreamQueue
 
 log = logging.getLogger("rlmesh.learner")
@@ -44,7 +44,7 @@ def require_model_path(config: RunConfig) -> str:
 
 @dataclass
 class Components:
-    """What the controller drives; `rlmesh.learner.builder.build_controller` builds them."""
+    """What the controller drives; `rlmesh.learner.rl.server.build_controller` builds them."""
 
     run_id: str
     run_torch: TorchRunner

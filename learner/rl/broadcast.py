@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from rlmesh.learner.membership import Generator, Membership
+from rlmesh.learner.rl.membership import Generator, Membership
 from rlmesh.v1 import rollout_pb2
 from rlmesh.services.config import WeightSyncSection
 from rlmesh.services.weights.announce import LOST
@@ -31,7 +31,7 @@ from rlmesh.services.weights.base import PROTOCOL_VERSION, ProtocolMismatch, che
 if TYPE_CHECKING:
     import torch
 
-    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.trackers.metrics import MetricsWriter
     from rlmesh.services.weights.announce import UpdateAnnouncer
     from rlmesh.services.weights.base import Sender
     from rlmesh.services.weights.wire import Handoff, TensorMeta

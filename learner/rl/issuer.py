@@ -3,7 +3,7 @@ most (max_staleness + 1) * groups_per_step train groups outstanding, so that not
 `max_staleness` is ever generated: generators hold version >= v when they read a group issued at
 version v (a broadcast finishes before new groups are issued).
 
-Every group it publishes goes into the run's ledger of outstanding work (`rlmesh.learner.ledger`),
+Every group it publishes goes into the run's ledger of outstanding work (`rlmesh.learner.rl.ledger`),
 which the other parties read; a queue server that restarted without its data gets every outstanding
 group again (`reissue_outstanding`), so that nothing is lost.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from google.protobuf.struct_pb2 import Struct
 
 from rlmesh.learner.data.examples import Example, TrainData, in_order
-from rlmesh.learner.ledger import Ledger
+from rlmesh.learner.rl.ledger import Ledger
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import StreamQueue
 from rlmesh.services.telemetry import group_span

@@ -14,22 +14,23 @@ import os
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvloop
 
-from rlmesh.learner.admission import Admission
-from rlmesh.learner.controller import Components, Controller, require_model_path
+from rlmesh.learner.rl.admission import Admission
+from rlmesh.learner.rl.controller import Components, Controller, require_model_path
 from rlmesh.learner.data.sources import load_dataset
-from rlmesh.learner.evaluator import Evaluator
-from rlmesh.learner.issuer import PromptIssuer
-from rlmesh.learner.ledger import Ledger
-from rlmesh.learner.membership import LearnerService, Membership
-from rlmesh.learner.reader import TrajectoryReader, mark_queues
-from rlmesh.learner.validation import Bounds
-from rlmesh.learner.watch import STALLED_EXIT, RunStalled, StallWatch, failure_limit, zero_signal_limit
+from rlmesh.learner.rl.evaluator import Evaluator
+from rlmesh.learner.rl.issuer import PromptIssuer
+from rlmesh.learner.rl.ledger import Ledger
+from rlmesh.learner.rl.membership import LearnerService, Membership
+from rlmesh.learner.rl.reader import TrajectoryReader, mark_queues
+from rlmesh.learner.rl.validation import Bounds
+from rlmesh.learner.rl.watch import STALLED_EXIT, RunStalled, StallWatch, failure_limit, zero_signal_limit
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc
 from rlmesh.services.auth import ANY, Policy, TLSFiles, check_can_serve, load_token
 from rlmesh.services.grpc_server import ServerLimits, start_server
@@ -37,8 +38,8 @@ from rlmesh.services.queue import connect_queue, run_streams
 from rlmesh.services.telemetry import setup_logging
 
 if TYPE_CHECKING:
-    from rlmesh.learner.broadcast import TorchRunner
-    from rlmesh.learner.metrics import Tracker
+    from rlmesh.learner.rl.broadcast import TorchRunner
+    from rlmesh.learner.trackers.metrics import Tracker
     from rlmesh.services.queue import StreamQueue
     from rlmesh.services.config import RunConfig
     from rlmesh.services.grpc_server import Server
@@ -82,8 +83,8 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     control-plane server (port 0: any free port)."""
     from transformers import AutoTokenizer
 
-    from rlmesh.learner.broadcast import WeightBroadcaster, WeightSource
-    from rlmesh.learner.metrics import MetricsWriter
+    from rlmesh.learner.rl.broadcast import WeightBroadcaster, WeightSource
+    from rlmesh.learner.trackers.metrics import MetricsWriter
     from rlmesh.learner.train.trainer import Trainer
     from rlmesh.services.weights.announce import UpdateAnnouncer
     from rlmesh.services.weights import build_sender
@@ -92,9 +93,7 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
     model_path = require_model_path(cfg)
     run_id = f"{cfg.run.name}-{uuid.uuid4().hex[:8]}"
     run_torch = torch_thread()
-    token = load_token(cfg.network.token_file, cfg.network.token_env)
-    tls = TLSFiles.from_config(cfg.network, "learner")
-    check_can_serve(cfg.network.host, token=token, tls=tls, insecure=cfg.network.insecure)
+    token, tls = _credentials(cfg)
     queue = connect_queue(cfg.queue, "learner")
     prompts, trajectories = run_streams(queue, cfg.queue)
     await mark_queues(prompts, trajectories, run_id)
@@ -137,16 +136,57 @@ async def build_controller(config: RunConfig, run_dir: Path, port: int) -> tuple
         reader=reader, evaluator=evaluator, metrics=metrics, trained_log=trained_log, dropped_log=dropped_log,
         watch=watch))
 
-    service = LearnerService(membership, run_id, controller.status, lambda: controller.version)
-    server = await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, SERVICE_NAME)],
-                                host=cfg.network.host, port=port, token=token, tls=tls,
-                                insecure=cfg.network.insecure, policy=POLICY,
-                                limits=ServerLimits.from_config(cfg.network, "learner"))
+    server = await serve_control_plane(cfg, port, LearnerService(membership, run_id, controller.status,
+                                                                 lambda: controller.version))
     log.info("learner control plane on port %d (run %s, %d training rank(s))", server.port, run_id, trainer.world_size)
     if (warning := sampler_precision_warning(cfg)):
         log.warning("%s", warning)
     await controller.resume()
     return controller, server
+
+
+def _credentials(config: RunConfig) -> tuple[str | None, TLSFiles | None]:
+    """The learner's token and TLS files, refused here if they cannot serve `network.host` safely."""
+    token = load_token(config.network.token_file, config.network.token_env)
+    tls = TLSFiles.from_config(config.network, "learner")
+    check_can_serve(config.network.host, token=token, tls=tls, insecure=config.network.insecure)
+    return token, tls
+
+
+async def serve_control_plane(config: RunConfig, port: int, service: LearnerService) -> Server:
+    """The learner's control-plane server for `service`: its token, TLS, tier policy and limits."""
+    token, tls = _credentials(config)
+    return await start_server([(learner_pb2_grpc.add_LearnerServiceServicer_to_server, service, SERVICE_NAME)],
+                              host=config.network.host, port=port, token=token, tls=tls,
+                              insecure=config.network.insecure, policy=POLICY,
+                              limits=ServerLimits.from_config(config.network, "learner"))
+
+
+@dataclass
+class PartialLearner:
+    """A learner without a trainer, for commands that stand in for one (`rlmesh eval`, `rlmesh
+    check`): its control plane serving (rollout servers register and heartbeat as with the real
+    one; no weights are sent), its queues, and an issuer with its ledger. `server.stop` ends it."""
+
+    run_id: str
+    membership: Membership
+    server: Server
+    prompts: StreamQueue
+    trajectories: StreamQueue
+    issuer: PromptIssuer
+
+
+async def partial_learner(config: RunConfig, port: int) -> PartialLearner:
+    token, tls = _credentials(config)
+    run_id = f"eval-{uuid.uuid4().hex[:8]}"
+    prompts, trajectories = run_streams(connect_queue(config.queue, "learner"), config.queue)
+    await prompts.ensure_group()
+    await trajectories.ensure_group()
+    membership = Membership(token=token, rpc_timeout_s=config.network.rpc_timeout_s, tls=tls)
+    service = LearnerService(membership, run_id, lambda: learner_pb2.LearnerStatusResponse(run_id=run_id), lambda: 0)
+    server = await serve_control_plane(config, port, service)
+    issuer = PromptIssuer(prompts, run_id, [], group_size=1, groups_per_step=1, max_staleness=0)
+    return PartialLearner(run_id, membership, server, prompts, trajectories, issuer)
 
 
 def trackers(config: RunConfig, run_dir: Path, issuer: PromptIssuer, prompts: StreamQueue,
@@ -158,7 +198,7 @@ def trackers(config: RunConfig, run_dir: Path, issuer: PromptIssuer, prompts: St
 
     out = build_trackers(config.logging, run_dir, run_dir.name, config.model_dump(mode="json"))
     if serve_metrics(config, "learner", run_dir=run_dir) is not None:
-        from rlmesh.learner.trackers.prometheus import PrometheusTracker
+        from rlmesh.learner.rl.prom import PrometheusTracker
 
         prom = PrometheusTracker()
         prom.poll(issuer, {"prompts": prompts, "trajectories": trajectories})  # stopped when the writer closes
@@ -198,7 +238,7 @@ async def run(config: RunConfig, args: argparse.Namespace) -> None:
     code = 1
     try:
         summary = await controller.train()
-        from rlmesh.learner.metrics import plot_reward_curve
+        from rlmesh.learner.trackers.metrics import plot_reward_curve
 
         if (png := plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")) is not None:
             controller.metrics.log_image("reward_curve", png, controller.version)

@@ -20,11 +20,11 @@ from rlmesh.services.queue import Entry
 from rlmesh.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from rlmesh.learner.admission import Admission
-    from rlmesh.learner.issuer import PromptIssuer
-    from rlmesh.learner.membership import Membership
-    from rlmesh.learner.metrics import MetricsWriter
-    from rlmesh.learner.watch import StallWatch
+    from rlmesh.learner.rl.admission import Admission
+    from rlmesh.learner.rl.issuer import PromptIssuer
+    from rlmesh.learner.rl.membership import Membership
+    from rlmesh.learner.trackers.metrics import MetricsWriter
+    from rlmesh.learner.rl.watch import StallWatch
     from rlmesh.services.queue import StreamQueue
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class TrajectoryReader:
     def __init__(self, prompts: StreamQueue, trajectories: StreamQueue, *, run_id: str, issuer: PromptIssuer,
                  admission: Admission, membership: Membership, metrics: MetricsWriter,
                  watch: StallWatch | None = None) -> None:
-        from rlmesh.learner.watch import DeadLetters
+        from rlmesh.learner.rl.watch import DeadLetters
 
         self.prompts, self.trajectories, self.run_id = prompts, trajectories, run_id
         self.issuer, self.admission, self.membership, self.metrics = issuer, admission, membership, metrics

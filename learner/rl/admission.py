@@ -1,6 +1,6 @@
 """Trajectory admission: which arriving groups go into the training buffer. Everything refused is
 acked, counted and written to `dropped_groups.jsonl` with its reason; nothing refused is trained on.
-A group must first be one this run issued and well formed (`rlmesh.learner.validation`): a forged
+A group must first be one this run issued and well formed (`rlmesh.learner.rl.validation`): a forged
 or malformed entry in the trajectory stream is dropped and the run goes on.
 
 A malformed copy never costs the real group: every copy under an id this run issued is validated,
@@ -15,13 +15,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from rlmesh.learner.validation import Bounds, problems
+from rlmesh.learner.rl.validation import Bounds, problems
 from rlmesh.v1 import common_pb2
 from rlmesh.services.queue import Entry, StreamQueue
 
 if TYPE_CHECKING:
-    from rlmesh.learner.ledger import Ledger
-    from rlmesh.learner.watch import StallWatch
+    from rlmesh.learner.rl.ledger import Ledger
+    from rlmesh.learner.rl.watch import StallWatch
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from prometheus_client import Counter, Gauge, Histogram
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from rlmesh.learner.issuer import PromptIssuer
+    from rlmesh.learner.rl.issuer import PromptIssuer
     from rlmesh.services.queue import StreamQueue
 
 log = logging.getLogger("rlmesh.learner")
