@@ -63,12 +63,10 @@ class Ledger:
         """Whether an earlier learner process of this run issued `group_id`."""
         return group_id.split("/", 1)[0] in self.earlier_run_ids
 
-    def resume(self, num_in_flight: int, earlier_run_ids: set[str] | None = None) -> None:
+    def resume(self, num_in_flight: int) -> None:
         """After a restart: `num_in_flight` train groups an earlier process issued count as in flight
-        until they come back; `earlier_run_ids` are the run ids of the earlier processes."""
+        until they come back (`earlier_run_ids` names those processes)."""
         self.unknown_in_flight = num_in_flight
-        if earlier_run_ids is not None:
-            self.earlier_run_ids = earlier_run_ids
 
     def returned(self, group_id: str) -> None:
         """A group came back (to be trained, dropped or not), or was retired to be issued again."""
