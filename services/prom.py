@@ -42,7 +42,7 @@ def serve_metrics(config: RunConfig, tier: str, name: str | None = None, run_dir
 
 
 def safe_name(name: str) -> str:
-    """A service name (a generator id may be `host:port`) as a file name."""
+    """A service name (a rollout server id may be `host:port`) as a file name."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 

@@ -1,5 +1,5 @@
 """Learner side of the weight push: (re)build the transfer group when membership changes, then one
-UpdateWeights call per generator per update (each server pauses, receives, loads the version, reports
+UpdateWeights call per rollout server per update (each server pauses, receives, loads the version, reports
 its digests and resumes inside that call) while the bytes are sent. The bytes move through a transport
 `Sender` (gloo or NCCL); this module only drives the control plane (weight-update protocol
 `PROTOCOL_VERSION`, agreed in InitWeightTransfer: a server of another version is dropped, naming
@@ -110,7 +110,7 @@ class WeightBroadcaster:
                                for g in new), return_exceptions=True)  # one not up fails in InitWeightTransfer
 
     async def _gather(self, what: str, calls: dict[str, asyncio.Future]) -> dict[str, Any]:
-        """Every call's reply by generator id; a failed call drops its generator and raises."""
+        """Every call's reply by rollout server id; a failed call drops its rollout server and raises."""
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
         failed = {gid: r for gid, r in zip(calls, results) if isinstance(r, BaseException)}
         if failed:
@@ -165,7 +165,7 @@ class WeightBroadcaster:
         self.membership.changed = False
         for g in members:
             g.in_group = True
-        log.info("%s transfer group epoch %d formed: %d generator(s), world size %d, digest %s, %s (%.1fs)",
+        log.info("%s transfer group epoch %d formed: %d rollout server(s), world size %d, digest %s, %s (%.1fs)",
                  self.cfg.backend, self.epoch, len(members), world, self.digest_algorithm,
                  "updates announced once on Valkey" if self.announced else "one UpdateWeights call per server per "
                  "update", time.monotonic() - t0)
@@ -197,18 +197,18 @@ class WeightBroadcaster:
         return wanted
 
     async def broadcast(self, version: int, source: WeightSource) -> dict[str, float]:
-        """Push the weights as `version` to every generator and wait until every one has them;
+        """Push the weights as `version` to every rollout server and wait until every one has them;
         returns timing metrics."""
         metrics = await self.send(version, source)
         return {**metrics, **await self.settled()}
 
     async def send(self, version: int, source: WeightSource) -> dict[str, float]:
-        """Push the weights as `version` to every generator; returns timing metrics once the bytes
+        """Push the weights as `version` to every rollout server; returns timing metrics once the bytes
         are sent (with weight_sync.snapshot, once they are copied), so that the learner's next
         training step can start. The rest (the transfer from the snapshot,
         each server's reply once it has loaded them, the digest check) completes in the
         background: `settled()` waits for it, and whatever needs every server at `version` (issuing
-        prompts at it, the next update, a catch-up) must call it first. A generator that fails
+        prompts at it, the next update, a catch-up) must call it first. A rollout server that fails
         before the bytes are sent is dropped from membership (it re-registers) and the round is
         retried once; one that fails after is dropped and caught up when it registers again."""
         await self.settled()
@@ -224,14 +224,14 @@ class WeightBroadcaster:
         raise AssertionError("unreachable")
 
     async def catch_up(self, version: int, source: WeightSource) -> None:
-        """Bring generators that hold other weights (late joiners, survivors of a learner restart)
+        """Bring rollout servers that hold other weights (late joiners, survivors of a learner restart)
         to `version` now, rather than after the next step: they serve nothing until then."""
-        await self.settled()  # an update still completing leaves every generator looking behind
+        await self.settled()  # an update still completing leaves every rollout server looking behind
         if self.membership.out_of_date(version):
             await self.broadcast(version, source)
 
     async def settled(self) -> dict[str, float]:
-        """Wait until the last update has completed on every generator (raises what it raised: a
+        """Wait until the last update has completed on every rollout server (raises what it raised: a
         digest mismatch); its metrics, {} when there was nothing to wait for."""
         completing = self._completing
         if completing is None:
@@ -287,7 +287,7 @@ class WeightBroadcaster:
         phases = {f"broadcast_{'snapshot' if snapshot else 'send'}_s": time.monotonic() - t_send}
         self.sent_versions.append(version)
         sent = {"broadcast_mb": sum(m.nbytes for m in metas) / 2**20,
-                # what the update moved to each generator: the whole model, or only the adapter (learner.lora)
+                # what the update moved to each rollout server: the whole model, or only the adapter (learner.lora)
                 "broadcast_bytes": float(sum(m.nbytes for m in metas)), "num_generators": float(len(members)),
                 "weights_verified": float(self.transport.verifies)}
         # With a snapshot, `digest` is the transfer's future.

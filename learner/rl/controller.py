@@ -68,7 +68,7 @@ class Components:
 
 
 def _oldest_versions(groups: list[common_pb2.TrajectoryGroup]) -> dict[str, int]:
-    """The oldest policy version any sample of each generator's groups was generated with."""
+    """The oldest policy version any sample of each rollout server's groups was generated with."""
     oldest: dict[str, int] = {}
     for g in groups:
         version = min((s.min_version for s in g.samples), default=0)
@@ -101,14 +101,14 @@ class Controller:
 
     async def _issued(self) -> None:
         """Wait for the background prompt top-up, if any, and for the last weight update to have
-        completed on every generator (their failures are raised here)."""
+        completed on every rollout server (their failures are raised here)."""
         issuing, self.issuing = self.issuing, None
         if issuing is not None:
             await issuing
         await self.broadcaster.settled()
 
     async def _top_up(self, num_buffered: int, version: int) -> None:
-        """Issue train prompts at `version` once every generator holds it (the update's completion
+        """Issue train prompts at `version` once every rollout server holds it (the update's completion
         runs beside the next training step)."""
         await self.broadcaster.settled()
         await self.issuer.issue_train(num_buffered, version)
@@ -116,7 +116,7 @@ class Controller:
     async def _refill(self, num_ready: int) -> None:
         """During a step, groups were dropped: issue prompts in their place at this version, counting
         the step's own batch as still buffered (so the bound is the one the last top-up kept). Not
-        before that top-up has run: it waits until every generator holds this version. Synchronous
+        before that top-up has run: it waits until every rollout server holds this version. Synchronous
         runs (k=0) issue nothing here: the next fill does; nor does the last step (nothing trains after it)."""
         if self.version + 1 < self.config.learner.num_steps and (self.issuing is None or self.issuing.done()):
             await self.issuer.issue_train(num_ready + self.B, self.version)
@@ -206,7 +206,7 @@ class Controller:
         await self.broadcaster.catch_up(self.version, self.weights)
 
     async def _read(self, version: int) -> Arrivals:
-        """What arrived (`TrajectoryReader.read`), once generators that hold other weights are
+        """What arrived (`TrajectoryReader.read`), once rollout servers that hold other weights are
         brought to `version` (they serve nothing until then)."""
         await self.broadcaster.catch_up(version, self.weights)
         return await self.reader.read(version)
@@ -299,7 +299,7 @@ class Controller:
                 await self._checkpoint()
             if cfg.learner.eval_every and self.version % cfg.learner.eval_every == 0 and self.version < cfg.learner.num_steps:
                 if cfg.learner.eval_overlap:
-                    await self._issued()  # every generator holds this version before its eval prompts go out
+                    await self._issued()  # every rollout server holds this version before its eval prompts go out
                     await self.evaluator.start(self.version)  # finishes as its groups come back
                 else:
                     await self.evaluate()

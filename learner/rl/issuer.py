@@ -1,6 +1,6 @@
 """Prompt issuing: turns dataset examples into prompt groups on the prompt stream, and keeps at
 most (max_staleness + 1) * groups_per_step train groups outstanding, so that nothing older than
-`max_staleness` is ever generated: generators hold version >= v when they read a group issued at
+`max_staleness` is ever generated: rollout servers hold version >= v when they read a group issued at
 version v (a broadcast finishes before new groups are issued).
 
 Every group it publishes goes into the run's ledger of outstanding work (`rlmesh.learner.rl.ledger`),

@@ -2,7 +2,7 @@
 
 Heartbeats are paced by the learner: each reply says when to send the next one, at most
 HEARTBEATS_PER_S in all, so a thousand rollout servers beat every 10 s rather than 500 times a
-second on the learner's event loop; a generator expires after `expire_after_s` or three of the
+second on the learner's event loop; a rollout server expires after `expire_after_s` or three of the
 intervals it was told, whichever is longer."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Generator:
     last_seen: float = field(default_factory=time.monotonic)
     in_group: bool = False
     rank_offset: int = 0
-    busy_seconds: float = 0.0  # the generator's engine-busy clock, as of the last weight update
+    busy_seconds: float = 0.0  # the rollout server's engine-busy clock, as of the last weight update
     heartbeat_interval_s: float = MIN_HEARTBEAT_S  # what the learner last told it
 
 
@@ -54,21 +54,21 @@ class Membership:
     def register(self, generator_id: str, address: str, num_workers: int, version: int = 0) -> Generator:
         old = self.generators.pop(generator_id, None)
         if old is not None:
-            log.info("generator %s re-registered", generator_id)
+            log.info("rollout server %s registered again", generator_id)
         channel = make_channel(address, token=self._token, default_timeout_s=self._rpc_timeout_s, tls=self._tls,
                                peer="rollout")
         gen = Generator(generator_id, address, max(num_workers, 1), channel, rollout_pb2_grpc.RolloutServiceStub(channel),
                         version=version)
         self.generators[generator_id] = gen
         self.changed = True
-        log.info("generator %s joined from %s (%d worker(s)); it enters the broadcast group at the next update",
+        log.info("rollout server %s joined from %s (%d worker(s)); it enters the broadcast group at the next update",
                  generator_id, address, gen.num_workers)
         return gen
 
     def remove(self, generator_id: str, why: str) -> None:
         if self.generators.pop(generator_id, None) is not None:
             self.changed = True
-            log.warning("generator %s left: %s", generator_id, why)
+            log.warning("rollout server %s left: %s", generator_id, why)
 
     def heartbeat(self, generator_id: str, version: int) -> bool:
         gen = self.generators.get(generator_id)

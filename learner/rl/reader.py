@@ -1,7 +1,7 @@
 """The trajectory stream as the learner reads it, for training and evaluation alike: each read
 checks that the queue server still holds this run's data (re-issuing every outstanding prompt
 group if it lost it), decodes what arrived and says so in the log when nothing has for a while.
-(Bringing out-of-date generators to the learner's weights before a read is the controller's call,
+(Bringing out-of-date rollout servers to the learner's weights before a read is the controller's call,
 `WeightBroadcaster.catch_up`.)
 While a training step runs, `admit_during` reads and admits what arrives, so that decoding and
 validating a step's worth of groups is not on the step's critical path."""

@@ -156,7 +156,7 @@ async def test_a_rollout_server_of_another_protocol_version_is_dropped_naming_bo
         metrics = await broadcaster.broadcast(1, WeightSource.of(_named(1)))
         assert metrics["num_generators"] == 0.0 and "gen" not in membership.generators
         assert broadcaster.verified_versions == [] and not broadcaster.formed
-        assert (f"generator gen left: rollout server gen speaks weight-update protocol version "
+        assert (f"rollout server gen left: rollout server gen speaks weight-update protocol version "
                 f"{PROTOCOL_VERSION + 1}, this side version {PROTOCOL_VERSION}") in caplog.text
     finally:
         await server.stop(0)
