@@ -9,12 +9,12 @@ tokens with loss mask true and their sampled logprobs, everything the agent adde
 
 Token continuity. The first call's messages are rendered by the model's chat template; after that the
 ids vLLM sampled are kept, and a later call's messages must repeat the conversation so far (the
-assistant messages as this endpoint returned them, in substance: `_same`) and add only non-assistant
-messages, which are rendered alone and appended (`ChatCodec.continuation`). A call whose history
-differs (the agent edited, dropped or summarised earlier messages) is still answered, from its
-messages re-rendered, but the episode is marked `history_edited`: the ids before the break are not
-the ids the next calls saw, so the learner does not train on it (the sample carries the reason as its
-error, never reward 0).
+assistant messages as this endpoint returned them, in substance: `chat_messages.same_message`) and add
+only non-assistant messages, which are rendered alone and appended (`ChatCodec.continuation`). A call
+whose history differs (the agent edited, dropped or summarised earlier messages) is still answered,
+from its messages re-rendered, but the episode is marked `history_edited`: the ids before the break are
+not the ids the next calls saw, so the learner does not train on it (the sample carries the reason as
+its error, never reward 0).
 
 Sampling is the run's (`rollout.temperature`, ...; seeded per episode and call): the policy being
 trained is what answers, whatever temperature the agent asks for. Tool calls are parsed from the
@@ -31,12 +31,10 @@ reward tier gives its agents the CA to verify it (SSL_CERT_FILE).
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import hashlib
 import json
 import logging
-import re
 import secrets
 import ssl
 import time
@@ -44,11 +42,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from rlmesh.rollout_server.chat_messages import (ChatRequest, arguments, parse_tool_calls, same_message,
+                                                 template_message)
 from rlmesh.rollout_server.episode import EpisodeTrace, trace_sample
 from rlmesh.v1 import common_pb2
 
@@ -59,131 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-# smolagents sends the calls a reply made back as text in the assistant's content (its memory's form).
-_REPLAYED_CALLS = re.compile(r"(?:^|\n)Calling tools:\n(\[.*\])\s*$", re.DOTALL)
-
-
-# --- the request, as OpenAI's API defines the parts rlmesh reads --------------------------------
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send fields rlmesh does not use (stream_options, ...)
-
-
-class FunctionCall(_Open):
-    name: str = Field(min_length=1, max_length=256)
-    arguments: str = Field(max_length=1 << 20)
-
-
-class ToolCall(_Open):
-    id: str = Field("", max_length=256)
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class TextPart(_Open):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Open):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = Field(None, max_length=256)
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = Field(None, max_length=256)
-
-
-class ChatRequest(_Open):
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
-    logprobs: bool = False
-
-
-def _content(m: Message) -> str:
-    if isinstance(m.content, list):
-        return "".join(part.text for part in m.content)
-    return m.content or ""
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def template_message(m: Message) -> dict[str, Any]:
-    """The message as chat templates read it (tool-call arguments as objects), and as the history
-    check compares it: tool-call ids are the client's business and do not count."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content(m)}
-    if m.name:
-        out["name"] = m.name
-    if m.tool_calls:
-        out["tool_calls"] = [{"type": "function", "function": {"name": c.function.name,
-                                                               "arguments": _arguments(c.function.arguments)}}
-                             for c in m.tool_calls]
-    if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
-    return out
-
-
-def _same(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
-    """Whether a message the agent repeats is the one kept. The context keeps the ids sampled whatever
-    form the agent repeats them in, so a reply is the same when only its form differs: stripped of the
-    whitespace around it (smolagents strips every reply), or its tool calls given as smolagents' text
-    instead of `tool_calls`."""
-    if kept.get("tool_calls") and not sent.get("tool_calls"):
-        sent = _replayed_calls(sent)
-
-    def compared(m: dict[str, Any]) -> dict[str, Any]:
-        out = {k: v for k, v in m.items() if k != "tool_call_id"}
-        if out["role"] == "assistant":
-            out["content"] = out["content"].strip()
-        return out
-    return compared(sent) == compared(kept)
-
-
-def _replayed_calls(m: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message whose content ends as smolagents repeats a reply's calls, `Calling tools:` and
-    a Python list of `{"id", "type", "function": {"name", "arguments"}}`, with those calls as `tool_calls`."""
-    match = _REPLAYED_CALLS.search(m["content"]) if m["role"] == "assistant" else None
-    if match is None:
-        return m
-    try:
-        calls = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                   "arguments": c["function"]["arguments"]}}
-                 for c in ast.literal_eval(match.group(1))]
-    except (ValueError, SyntaxError, TypeError, KeyError):  # not that form: compared as the text it is
-        return m
-    return {**m, "content": m["content"][:match.start()], "tool_calls": calls}
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content, tool calls in the OpenAI schema) of a completion in the Hermes format; a block that
-    is not a JSON object with a name stays in the content, so nothing the model said is lost."""
-    calls, kept = [], []
-    last = 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
-        args = obj.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    kept.append(text[last:])
-    return "".join(kept).strip() if calls else text, calls
 
 
 # --- episodes ----------------------------------------------------------------------------------
@@ -374,7 +249,7 @@ class AgentEndpoint:
         said: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             said["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                                    "arguments": _arguments(c["function"]["arguments"])}}
+                                                                    "arguments": arguments(c["function"]["arguments"])}}
                                   for c in calls]
         episode.history = messages + [said]
         return self._reply(gen, content, calls, len(trace.context) - len(gen.token_ids), body.logprobs)
@@ -389,7 +264,7 @@ class AgentEndpoint:
                 episode.tools = tools
                 return
             new = messages[len(kept):]
-            if (len(messages) > len(kept) and all(_same(a, b) for a, b in zip(messages, kept))
+            if (len(messages) > len(kept) and all(same_message(a, b) for a, b in zip(messages, kept))
                     and tools == episode.tools and all(m["role"] != "assistant" for m in new)):
                 # the context ends with the last call's sampled ids: did the model close its turn?
                 ids = self.codec.continuation(new, tools, trace.context[-1] == self.codec.eos_id)

@@ -3,7 +3,7 @@ compare equal to the ones the endpoint returned whatever ids its client gave the
 
 import json
 
-from rlmesh.rollout_server.agent_endpoint import Message, _same, parse_tool_calls, template_message
+from rlmesh.rollout_server.chat_messages import Message, parse_tool_calls, same_message, template_message
 
 
 def test_hermes_blocks_become_tool_calls_and_the_rest_stays_content():
@@ -27,9 +27,9 @@ def test_a_returned_assistant_message_compares_equal_whatever_the_call_ids():
     kept = template_message(Message(role="assistant", content="", tool_calls=calls))
     echoed = dict(calls[0], id="call_client_side")
     sent = template_message(Message.model_validate({"role": "assistant", "content": None, "tool_calls": [echoed]}))
-    assert _same(sent, kept)
+    assert same_message(sent, kept)
     other = dict(echoed, function={"name": "f", "arguments": '{"x": 3}'})
-    assert not _same(template_message(Message.model_validate({"role": "assistant", "tool_calls": [other]})), kept)
+    assert not same_message(template_message(Message.model_validate({"role": "assistant", "tool_calls": [other]})), kept)
     parts = Message.model_validate({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
     assert template_message(parts)["content"] == "ab"
 
@@ -38,10 +38,10 @@ def test_a_reply_repeated_without_its_surrounding_whitespace_is_the_same_message
     """smolagents strips what the model said before sending it back: the conversation is unchanged (the
     context keeps the sampled ids); any other change to the text is an edit."""
     kept = template_message(Message(role="assistant", content=" 579\n"))
-    assert _same(template_message(Message(role="assistant", content=[{"type": "text", "text": "579"}])), kept)
-    assert not _same(template_message(Message(role="assistant", content="57 9")), kept)
+    assert same_message(template_message(Message(role="assistant", content=[{"type": "text", "text": "579"}])), kept)
+    assert not same_message(template_message(Message(role="assistant", content="57 9")), kept)
     user = template_message(Message(role="user", content="hi"))
-    assert not _same(user, template_message(Message(role="user", content=" hi")))
+    assert not same_message(user, template_message(Message(role="user", content=" hi")))
 
 
 def test_calls_repeated_as_smolagents_text_are_the_calls_returned():
@@ -55,9 +55,9 @@ def test_calls_repeated_as_smolagents_text_are_the_calls_returned():
         said = {"type": "text", "text": f"{text}\nCalling tools:\n{replay}"}
         return template_message(Message(role="assistant", content=[said]))
 
-    assert _same(repeated("Let me look."), kept)
-    assert not _same(repeated("Let me look."), template_message(Message(role="assistant", content="Let me look.")))
-    assert not _same(repeated("Let me look.", a=580), kept)
-    assert not _same(repeated("Let me see."), kept)
+    assert same_message(repeated("Let me look."), kept)
+    assert not same_message(repeated("Let me look."), template_message(Message(role="assistant", content="Let me look.")))
+    assert not same_message(repeated("Let me look.", a=580), kept)
+    assert not same_message(repeated("Let me see."), kept)
     not_calls = template_message(Message(role="assistant", content="Let me look.\nCalling tools:\n[{'id': 1}]"))
-    assert not _same(not_calls, kept)
+    assert not same_message(not_calls, kept)
