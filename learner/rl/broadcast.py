@@ -75,6 +75,7 @@ class WeightBroadcaster:
         self.epoch = 0
         self.formed = False
         self.members: list[Generator] = []
+        self.formed_revision = -1  # the membership revision the group was formed at
         self.verified_versions: list[int] = []
         self.sent_versions: list[int] = []
         self.last_digest = ""
@@ -125,6 +126,9 @@ class WeightBroadcaster:
         self.membership.expire()
         self.transport.close()
         self.epoch += 1
+        # What joins or leaves from here on (registration runs while this group forms) is not in it:
+        # the group is as of this revision, and the next update rebuilds if membership moved past it.
+        revision = self.membership.revision
         members = list(self.membership.generators.values())
         offset = 1  # the learner is rank 0
         for gen in members:
@@ -161,8 +165,7 @@ class WeightBroadcaster:
         self.digest_algorithm = self._agree_digest(replies)
         # Where every member follows the announce stream, an update is one stream entry for all of them.
         self.announced = bool(announce_stream) and all(r.announced_updates for r in replies.values())
-        self.formed, self.members = True, members
-        self.membership.changed = False
+        self.formed, self.members, self.formed_revision = True, members, revision
         for g in members:
             g.in_group = True
         log.info("%s transfer group epoch %d formed: %d rollout server(s), world size %d, digest %s, %s (%.1fs)",
@@ -244,7 +247,7 @@ class WeightBroadcaster:
 
     async def _broadcast_once(self, version: int, source: WeightSource) -> dict[str, float]:
         t0 = time.monotonic()
-        if not self.formed or self.membership.changed:
+        if not self.formed or self.membership.revision != self.formed_revision:
             await self._rebuild()
         members, epoch, timeout, algorithm = self.members, self.epoch, self.cfg.timeout_s, self.digest_algorithm
         metas = source.metas()

@@ -42,12 +42,14 @@ class Generator:
 
 
 class Membership:
-    """Rollout servers known to the learner. Any change marks the broadcast group for rebuild."""
+    """Rollout servers known to the learner. Every change bumps `revision`: a broadcast group formed
+    at an older revision is rebuilt before the next update (a change made while a group forms, which
+    awaits its members, counts against that group too)."""
 
     def __init__(self, *, token: str | None, rpc_timeout_s: float, expire_after_s: float = 20.0,
                  tls: TLSFiles | None = None) -> None:
         self.generators: dict[str, Generator] = {}
-        self.changed = True
+        self.revision = 0
         self._token, self._rpc_timeout_s, self._expire_after_s = token, rpc_timeout_s, expire_after_s
         self._tls = tls
 
@@ -60,15 +62,19 @@ class Membership:
         gen = Generator(generator_id, address, max(num_workers, 1), channel, rollout_pb2_grpc.RolloutServiceStub(channel),
                         version=version)
         self.generators[generator_id] = gen
-        self.changed = True
+        self.mark_changed()
         log.info("rollout server %s joined from %s (%d worker(s)); it enters the broadcast group at the next update",
                  generator_id, address, gen.num_workers)
         return gen
 
     def remove(self, generator_id: str, why: str) -> None:
         if self.generators.pop(generator_id, None) is not None:
-            self.changed = True
+            self.mark_changed()
             log.warning("rollout server %s left: %s", generator_id, why)
+
+    def mark_changed(self) -> None:
+        """The next weight update forms a new broadcast group."""
+        self.revision += 1
 
     def heartbeat(self, generator_id: str, version: int) -> bool:
         gen = self.generators.get(generator_id)

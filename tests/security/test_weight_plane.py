@@ -116,7 +116,7 @@ async def test_a_stranger_writing_and_deleting_store_keys_does_not_touch_verific
 @pytest.mark.asyncio(loop_scope="session")
 async def test_a_stranger_joining_under_a_guessed_prefix_joins_nothing(plane):
     broadcaster = plane.broadcaster
-    broadcaster.membership.changed = True  # the next broadcast forms a new group: the moment to strike
+    broadcaster.membership.mark_changed()  # the next broadcast forms a new group: the moment to strike
     guess = f"rlmesh/epoch{broadcaster.epoch + 1}"  # the name groups had before they were random
     outcome = {}
 

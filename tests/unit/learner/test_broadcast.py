@@ -149,6 +149,36 @@ async def test_an_update_is_one_control_call_per_server():
         await server.stop(0)
 
 
+async def test_a_server_that_registers_while_a_group_forms_is_caught_up_by_the_next_update():
+    """A rollout server restarted (or joining) while the learner forms a group for another one: the group
+    is formed without it, and the catch-up that follows must form a new one with it. (Seen in the compose
+    test: the crashed server re-registered while the joiner's group formed; the learner cleared its
+    'membership changed' flag once that group formed, so the restarted server waited for weights for
+    the rest of the run, 140 steps.)"""
+    engine, late_engine = StandInEngine(), StandInEngine()
+    server, membership, broadcaster = await _plane(engine)
+    late = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+                                RolloutService(late_engine, "late", build_receiver(broadcaster.cfg)),
+                                "rlmesh.v1.RolloutService")], port=0)
+    connect = broadcaster._connect
+
+    async def connect_then_register(members):
+        await connect(members)
+        if "late" not in membership.generators:  # registers while the group of `gen` forms
+            membership.register("late", f"127.0.0.1:{late.port}", num_workers=1)
+    broadcaster._connect = connect_then_register
+    try:
+        await broadcaster.broadcast(1, WeightSource.of(_named(1)))
+        assert engine.version == 1 and late_engine.version == 0  # formed before it registered
+        assert [g.generator_id for g in membership.out_of_date(1)] == ["late"]
+        await broadcaster.catch_up(1, WeightSource.of(_named(1)))
+        assert late_engine.version == 1 and not membership.out_of_date(1)
+        assert sorted(g.generator_id for g in broadcaster.members) == ["gen", "late"] and broadcaster.epoch == 2
+    finally:
+        await server.stop(0)
+        await late.stop(0)
+
+
 async def test_a_rollout_server_of_another_protocol_version_is_dropped_naming_both(caplog):
     server, membership, broadcaster = await _plane(StandInEngine(), OtherProtocolRolloutService)
     try:
