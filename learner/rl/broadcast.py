@@ -126,9 +126,7 @@ class WeightBroadcaster:
         self.membership.expire()
         self.transport.close()
         self.epoch += 1
-        # What joins or leaves from here on (registration runs while this group forms) is not in it:
-        # the group is as of this revision, and the next update rebuilds if membership moved past it.
-        revision = self.membership.revision
+        revision = self.membership.revision  # who registers while the group forms is in the next one
         members = list(self.membership.generators.values())
         offset = 1  # the learner is rank 0
         for gen in members:
