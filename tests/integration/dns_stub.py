@@ -42,7 +42,10 @@ class StubDNS:
                 reply.answer.append(dns.rrset.from_text_list(question.name, 1, "IN", "A", list(self.addresses)))
             elif question.rdtype != dns.rdatatype.AAAA:
                 reply.set_rcode(dns.rcode.NXDOMAIN)
-            self._sock.sendto(reply.to_wire(), peer)
+            try:
+                self._sock.sendto(reply.to_wire(), peer)
+            except OSError:  # closed while answering
+                return
 
     def close(self) -> None:
         self._sock.close()
