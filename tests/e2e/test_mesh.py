@@ -188,9 +188,11 @@ def test_two_on_policy_rollout_servers_share_the_work_and_the_broadcast(tmp_path
     so vLLM's behaviour logprobs equal the learner's recomputed ones up to float error."""
     run_dir = tmp_path / "run"
     # A claim timeout far shorter than a generation round: live servers must keep their claims fresh.
+    # Each server takes at most half of a step's 32 groups: with the default (64) the first server to
+    # read took every group of all 8 steps once (CI, 2026-12-03), and the other trained nothing.
     up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=8",
             "learner.eval_every=0", "sft.num_steps=50", "queue.claim_idle_ms=1500", "rollout.max_tokens=24",
-            "algorithm.max_staleness=0")
+            "algorithm.max_staleness=0", "rollout.max_concurrent_groups=16")
     assert up.finish(timeout=500) == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
