@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlmesh.services.affinity import pin_to_cores
+from rlmesh.services.affinity import SERVER_CORES_ENV, format_cores, pin_to_cores
 
 if TYPE_CHECKING:
     from rlmesh.rollout_server.lora import ServedAdapter
@@ -75,6 +75,7 @@ def configure_vllm_env(cfg: RolloutSection) -> str | None:
     # The whole server, not only the worker's OpenMP threads: vLLM's engine-core and front-end
     # processes would otherwise take turns with the learner on its cores.
     pin_to_cores(cfg.cpu_cores, "rollout.cpu_cores")
+    os.environ[SERVER_CORES_ENV] = format_cores(os.sched_getaffinity(0))  # read by the weight engine in vLLM's worker
     return rpc
 
 

@@ -84,6 +84,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._head_refresh_logged = False
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        from rlmesh.services.affinity import server_cores, threads_on
         from rlmesh.services.weights.base import Rendezvous
         from rlmesh.services.weights.gloo import join_group
 
@@ -92,31 +93,36 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._rank = init_info.rank_offset + self.parallel_config.rank
         ticket = Rendezvous(init_info.master_address, init_info.master_port, prefix=init_info.group_prefix,
                             secret=bytes.fromhex(init_info.group_secret))
-        self._group = join_group(ticket, self._rank, init_info.world_size, init_info.timeout_seconds)
+        # Gloo's threads (they move the bytes) start here: on every core of the rollout server, not
+        # only on those vLLM bound this worker's threads to (`overlap_load`).
+        with threads_on(server_cores()):
+            self._group = join_group(ticket, self._rank, init_info.world_size, init_info.timeout_seconds)
         log.info("joined weight broadcast group epoch %d as rank %d/%d", init_info.group_epoch, self._rank,
                  init_info.world_size)
 
     def start_weight_update(self) -> None:
+        """The model's reload begins in `receive_weights`, once the first buckets are on the wire."""
+        self.received_digest, self.served_check, self._received, self._audit = "", {}, None, None
+
+    def _begin_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         from rlmesh.services.weights.served import ReloadAudit
 
-        self.received_digest, self.served_check, self._received = "", {}, None
-        if self.reloads_model:
-            initialize_layerwise_reload(self.model)
-            self._audit = ReloadAudit(self.model, self.architecture)
-            self._audit.begin()
+        initialize_layerwise_reload(self.model)
+        self._audit = ReloadAudit(self.model, self.architecture)
+        self._audit.begin()
 
     def finish_weight_update(self) -> None:
         """Finalize the reload, then fail the update if any layer kept its old weights (vLLM itself
         only warns) or, with the read-back on, if what is served differs from vLLM's own load."""
-        if not self.reloads_model:
-            return
+        if not self.reloads_model or self._audit is None:
+            return  # nothing was received: the model was never touched
         audit, self._audit = self._audit, None
-        failures = audit.failures() if audit is not None else []
+        failures = audit.failures()
         self._finalize()
         self.served_check = {"architecture": self.architecture, "layers_not_reloaded": failures,
-                             "settled": audit.settled if audit is not None else []}
+                             "settled": audit.settled}
         if failures:
             self._received = None
             err = audit.error(failures)
@@ -173,17 +179,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self._group is None:
             raise RuntimeError("weight update before InitWeightTransfer: the learner must init the group first")
         metas = [TensorMeta(n, d, tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
-        digest = BackgroundDigest(update_info.digest_algorithm)
+        # Beside a load on this worker's own cores, the digest hashes on the server's others.
+        digest = BackgroundDigest(update_info.digest_algorithm, cores=spare_cores() or None)
         # The buckets land in buffers kept across updates (fresh pages cost more than the copy
         # into them; the price is one copy of the sent weights in this worker's memory). The
         # layerwise reload holds views of them only until the update is finalized.
         if self._buffers is None:
             self._buffers = WireBuffers()
-        # One load_weights call over the whole stream (it takes any iterable). With cores to spare,
+        # One load_weights call over the whole stream (it takes any iterable). With a core to spare,
         # the next bucket is received, and this one digested on a side thread, while this one's
-        # tensors are copied in; on a CPU-served model every byte is received first (`overlap_load`).
+        # tensors are loaded; without, every byte is received first (`overlap_load`).
         named = receive(self._group, metas, digest, into=self._buffers)
         try:
+            if self.reloads_model:  # while the first buckets arrive
+                self._begin_reload()
             self.load_received(named if overlap_load() else iter(list(named)), update_info)
         except BaseException:
             digest.close()
@@ -258,15 +267,26 @@ def refresh_tied_output_head(model: torch.nn.Module) -> bool:
 
 
 def overlap_load() -> bool:
-    """Whether a worker loads each received bucket while the next is on the wire: where vLLM serves
-    from an accelerator, so loading is a device copy beside the receiving. Not on vLLM-CPU: loading
-    there is vLLM repacking every layer on the CPU, and the worker's main thread is bound to one core
-    by OpenMP whatever `rollout.cpu_cores` gives it, so the receiving thread, the digest and the
-    repacking only took turns; receiving every byte first was faster (SmolLM2-135M in float32,
-    513 MiB, 2 cores: served in 1.0 s against 1.1-1.3 s)."""
+    """Whether a worker loads each received bucket while the next is on the wire. Where vLLM serves
+    from an accelerator, yes: loading is a device copy beside the receiving. On vLLM-CPU, loading is
+    vLLM repacking every layer on the worker's own cores, so only where the rollout server holds a
+    core beyond them (`spare_cores`) for gloo's and the digest's threads. On the worker's cores alone
+    the receiving, the digest and the repacking only take turns, and receiving every byte first was
+    faster (SmolLM2-135M in float32, 513 MiB, one core: served in 1.0 s against 1.1-1.3 s)."""
     from vllm.platforms import current_platform
 
-    return not current_platform.is_cpu()
+    return not current_platform.is_cpu() or bool(spare_cores())
+
+
+def spare_cores() -> set[int]:
+    """The rollout server's cores that this worker's threads are not bound to. vLLM-CPU starts a
+    worker with its OpenMP threads bound to one place (OMP_PLACES), the cores it picked, which is
+    the main thread's affinity; with rollout.cpu_cores "auto" it keeps a core out of it for its
+    scheduler and front end (idle while an update has the engine paused). Empty where vLLM was
+    given every core (a list of cores, "nobind") or binds nothing (an accelerator)."""
+    from rlmesh.services.affinity import server_cores
+
+    return server_cores() - os.sched_getaffinity(0)
 
 
 def version_dir(root: Path, version: int) -> Path:

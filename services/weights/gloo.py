@@ -10,6 +10,7 @@ written to the store. A rank that cannot is refused by all the others."""
 
 from __future__ import annotations
 
+import collections
 import hmac
 import secrets
 import socket
@@ -172,20 +173,33 @@ def join_group(ticket: Rendezvous, rank: int, world_size: int, timeout_s: float)
 
 def receive(group: dist.ProcessGroup, metas: list[TensorMeta], digest: BackgroundDigest | None = None,
             into: WireBuffers | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive the broadcast bucket by bucket, yielding (name, tensor) views. The next bucket is
-    already being received, and this one digested on `digest`'s thread, while the caller loads the
+    """Receive the broadcast bucket by bucket, yielding (name, tensor) views. The first buckets are
+    posted before this returns (the caller may do other work while they arrive), and later buckets
+    are being received, and this one digested on `digest`'s thread, while the caller loads the
     tensors of this one. With `into`, the buckets land in its buffers (kept for the next update:
-    the caller must be done with this update's views by then) instead of fresh ones."""
-    in_flight = None
+    the caller must be done with this update's views by then) instead of fresh ones, and every
+    bucket is posted at once (the buffers exist anyway): a caller slower than the wire never holds
+    the sender back. Without, two are in flight."""
     flats = into.of(metas) if into is not None else None
-    for b, idx in enumerate(buckets(metas)):
+    plan = list(enumerate(buckets(metas)))
+    ahead = len(plan) if flats is not None else 2
+    in_flight: collections.deque = collections.deque()
+
+    def post(b: int, idx: list[int]) -> None:
         flat = flats[b] if flats is not None else bucket_buffer(metas, idx)
-        work = group.broadcast(flat, 0)
-        if in_flight is not None:
-            yield from _received(*in_flight, metas, digest)
-        in_flight = (idx, flat, work)
-    if in_flight is not None:
-        yield from _received(*in_flight, metas, digest)
+        in_flight.append((idx, flat, group.broadcast(flat, 0)))
+
+    for b, idx in plan[:ahead]:
+        post(b, idx)
+
+    def drain() -> Iterator[tuple[str, torch.Tensor]]:
+        for b, idx in plan[ahead:]:
+            yield from _received(*in_flight.popleft(), metas, digest)
+            post(b, idx)
+        while in_flight:
+            yield from _received(*in_flight.popleft(), metas, digest)
+
+    return drain()
 
 
 def _received(idx: list[int], flat: torch.Tensor, work, metas: list[TensorMeta], digest: BackgroundDigest | None

@@ -6,6 +6,7 @@ contract code."""
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -157,14 +158,15 @@ def installed_digests() -> tuple[str, ...]:
                  if a == "sha256" or importlib.util.find_spec({"xxh3": "xxhash"}.get(a, a)) is not None)
 
 
-def new_digest(algorithm: str):
-    """A hashlib-style digest object; "" is sha256 (what a peer that names no algorithm means)."""
+def new_digest(algorithm: str, threads: int | None = None):
+    """A hashlib-style digest object; "" is sha256 (what a peer that names no algorithm means).
+    `threads`: how many BLAKE3 may hash on (default: one per core); the others take one."""
     if algorithm in ("", "sha256"):
         return hashlib.sha256()
     if algorithm == "blake3":
         import blake3
 
-        return blake3.blake3(max_threads=blake3.blake3.AUTO)
+        return blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
     if algorithm == "xxh3":
         import xxhash
 
@@ -178,10 +180,14 @@ class BackgroundDigest:
     or loading the next (every hash library here releases the GIL on large buffers). A submitted
     bucket must not change until `hexdigest` returns."""
 
-    def __init__(self, algorithm: str = "sha256") -> None:
+    def __init__(self, algorithm: str = "sha256", cores: set[int] | None = None) -> None:
+        """`cores`: where the side thread (and BLAKE3's own threads, one per core) run; default: where
+        the thread that made it does, BLAKE3 on every core."""
         self.algorithm = algorithm or "sha256"
-        self._digest = new_digest(self.algorithm)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-digest")
+        self._digest = new_digest(self.algorithm, threads=len(cores) if cores else None)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlmesh-digest",
+                                        initializer=None if cores is None else os.sched_setaffinity,
+                                        initargs=() if cores is None else (0, cores))
         self._pending: list[Future] = []
 
     def update(self, flat: torch.Tensor) -> None:

@@ -48,6 +48,7 @@ def test_the_engine_loads_and_digests_every_byte_overlapped_or_after_the_wire(mo
 
     engine = weight_engine.GlooWeightTransferEngine.__new__(weight_engine.GlooWeightTransferEngine)
     engine._group, engine._buffers, engine.received_digest = joined["group"], None, ""
+    engine.reloads_model = False  # the stand-in model has no vLLM layers to reload: it records the stream
     for version in (1, 2):
         engine.model = model = RecordingModel(engine)
         info = weight_engine.GlooUpdateInfo(version=version, names=[m.name for m in metas],
@@ -66,5 +67,25 @@ def test_the_engine_loads_and_digests_every_byte_overlapped_or_after_the_wire(mo
             named[-1][1].add_(1)  # the next update carries other bytes in its last bucket
 
 
-def test_a_vllm_cpu_worker_receives_every_byte_before_it_loads():
+def test_a_vllm_cpu_worker_loads_while_receiving_only_with_a_core_beyond_its_own(monkeypatch):
+    """vLLM-CPU binds the worker's threads to its cores; the rollout server's own cores come in
+    RLMESH_SERVER_CORES. The same cores: every byte is received first. One more (the core vLLM keeps
+    for its scheduler): gloo's and the digest's threads run there while the worker loads."""
+    import os
+
+    from rlmesh.services.affinity import SERVER_CORES_ENV, format_cores, threads_on
+
+    own = os.sched_getaffinity(0)
+    monkeypatch.setenv(SERVER_CORES_ENV, format_cores(own))
     assert not weight_engine.overlap_load()  # the vLLM installed here serves on CPU
+    if len(own) < 2:
+        pytest.skip("one core: no placement leaves a core beyond the worker's")
+    with threads_on({min(own)}):
+        assert weight_engine.overlap_load()
+        seen = {}
+        side = threading.Thread(target=lambda: seen.update(cores=os.sched_getaffinity(0)))
+        with threads_on(own):  # what the engine does around gloo's threads
+            side.start()
+        side.join()
+        assert os.sched_getaffinity(0) == {min(own)}
+    assert seen["cores"] == own and os.sched_getaffinity(0) == own
