@@ -189,8 +189,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         # One load_weights call over the whole stream (it takes any iterable). With a core to spare,
         # the next bucket is received, and this one digested on a side thread, while this one's
         # tensors are loaded; without, every byte is received first (`overlap_load`).
-        named = receive(self._group, metas, digest, into=self._buffers)
         try:
+            named = receive(self._group, metas, digest, into=self._buffers)
             if self.reloads_model:  # while the first buckets arrive
                 self._begin_reload()
             self.load_received(named if overlap_load() else iter(list(named)), update_info)
