@@ -75,7 +75,7 @@ class RolloutSection(Section):
     kv_cache_gib: int = Field(1, ge=1)
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_cores: RolloutCores = "auto"
-    """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND), the whole server pinned to them: '0', '0-3', 'auto' (vLLM picks; nothing pinned) or 'nobind' (no binding, nothing pinned: the kernel places the threads). 'nobind' suits replicas sharing a host without a cpuset of their own (compose's `--scale rollout=N`), where 'auto' binds every replica to the same core."""
+    """Cores vLLM's CPU worker binds its threads to (VLLM_CPU_OMP_THREADS_BIND), the whole server pinned to them: '0', '0-3', 'auto' (vLLM picks; nothing pinned) or 'nobind' (no binding, nothing pinned: the kernel places the threads). 'nobind' suits replicas sharing a host without a cpuset of their own (compose's `--scale rollout=N`), where 'auto' binds every replica to the same core. With 'auto' on two or more cores, the core vLLM keeps for its scheduler also receives weight updates while the worker loads them (it idles while an update has the engine paused)."""
     episode: EpisodeSection = EpisodeSection()
     """Multi-turn episodes (environments whose kind is multi_turn): budgets and what a failed episode becomes."""
     agent_endpoint: AgentEndpointSection = AgentEndpointSection()
