@@ -127,6 +127,7 @@ class VLLMEngine:
         self.group_epoch = -1
         self.paused = False
         self.update_active = False
+        self.received: list[str] = []  # each worker's digest of the last update (read as it finished)
         self.num_generated_tokens = 0
         self._rpc_dir: str | None = None  # vLLM's socket directory, when this server made it
         self.busy = BusyClock()
@@ -215,23 +216,27 @@ class VLLMEngine:
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
         self.group_epoch = group_epoch
 
+    # vLLM's start_weight_update, update_weights, finish_weight_update and the digest read are three
+    # calls into the engine's process here, not four (`weight_engine.WorkerDigests`): one round trip
+    # to the engine core fewer per update, and the digest comes back with the finish.
+
     async def start_weight_update(self) -> None:
+        """The engine starts the update with its first call (`update_weights`)."""
         await self._stop_warm_up()
-        await self.engine.start_weight_update()
+        self.received = []
         self.update_active = True
 
     async def update_weights(self, update_info: dict) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self.engine.collective_rpc("rlmesh_start_and_update_weights", kwargs={"update_info": update_info})
 
     async def received_digests(self) -> list[str]:
         """Digest of the bytes each worker received in the last update, in the algorithm the update
         named ("" where the engine does not digest)."""
-        return list(await self.engine.collective_rpc("rlmesh_received_digest"))
+        return list(self.received)
 
     async def finish_weight_update(self, version: int) -> None:
-        await self.engine.finish_weight_update(weight_version=str(version))
+        self.received = list(await self.engine.collective_rpc("rlmesh_finish_weight_update"))
+        await self.engine.update_weight_version(str(version))
         if self.cfg.enable_prefix_caching:
             # Old-weight KV must never serve a new-weight token: drop the cache, and recompute the
             # KV of requests paused mid-generation (they resume under the new weights).

@@ -296,7 +296,18 @@ def version_dir(root: Path, version: int) -> Path:
 class WorkerDigests:
     """vLLM worker extension (`worker_extension_cls`): lets the rollout server ask every worker,
     through `collective_rpc`, for the digest of what it received ("" for an engine that does not
-    digest, e.g. vLLM's nccl), and for the last update's audit and served-weight read-back."""
+    digest, e.g. vLLM's nccl), and for the last update's audit and served-weight read-back; and
+    runs an update in two calls rather than four (vLLM's own start, update and finish, and the
+    digest read with the finish)."""
+
+    def rlmesh_start_and_update_weights(self, update_info: dict) -> None:
+        self.start_weight_update()
+        self.update_weights(update_info)
+
+    def rlmesh_finish_weight_update(self) -> str:
+        """vLLM's finish_weight_update; the digest of what this worker received."""
+        self.finish_weight_update()
+        return self.rlmesh_received_digest()
 
     def rlmesh_received_digest(self) -> str:
         return getattr(self.weight_transfer_engine, "received_digest", "")

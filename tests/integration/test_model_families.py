@@ -182,18 +182,18 @@ def broadcast(llm, named: list, version: int) -> dict:
     request = rollout_pb2.UpdateWeightsRequest(
         version=version, group_epoch=1, digest_algorithm=algorithm,
         tensors=[rollout_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=m.shape) for m in metas])
-    llm.collective_rpc("start_weight_update")
     t = on_thread(sender.send, named, metas, algorithm)
-    update_error = None
+    update_error, received = None, None
     try:
-        llm.collective_rpc("update_weights", kwargs={"update_info": receiver.update_info(request)})
-        llm.collective_rpc("finish_weight_update")
+        llm.collective_rpc("rlmesh_start_and_update_weights", kwargs={"update_info": receiver.update_info(request)})
+        received = llm.collective_rpc("rlmesh_finish_weight_update")
     except Exception as err:  # the update failed: what the rollout server would answer UpdateWeights with
         update_error = f"{type(err).__name__}: {err}"
     t.join()
     if "error" in result:
         raise result["error"]
-    received = llm.collective_rpc("rlmesh_received_digest")
+    if received is None:
+        received = llm.collective_rpc("rlmesh_received_digest")
     served = llm.collective_rpc("rlmesh_served_check")[0]
     sender.close()
     return {"sent": result.get("send", ""), "received": received, "served": served, "error": update_error}
