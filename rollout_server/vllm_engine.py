@@ -216,9 +216,9 @@ class VLLMEngine:
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
         self.group_epoch = group_epoch
 
-    # vLLM's start_weight_update, update_weights, finish_weight_update and the digest read are three
-    # calls into the engine's process here, not four (`weight_engine.WorkerDigests`): one round trip
-    # to the engine core fewer per update, and the digest comes back with the finish.
+    # vLLM's start_weight_update, update_weights, finish_weight_update and the digest read are two
+    # worker calls here, not four (`weight_engine.WorkerDigests`): start rides with the update and the
+    # digest comes back with the finish, two round trips to the engine core fewer per update.
 
     async def start_weight_update(self) -> None:
         """The engine starts the update with its first call (`update_weights`)."""
