@@ -66,7 +66,16 @@ AMD EPYC, 2026-11-29 (docs/performance.md, row 5); the shipped config's six runs
 
 # --- the simulated rollout tier (second process) ------------------------------------------------
 
-def fake_rollout_servicer(control: str, queue_url: str, follow_by: str):
+def straggle_s(slow_updates: str, rng: random.Random) -> float:
+    """Seconds a simulated server takes to load one announced update under --slow-updates FRACTION:SECONDS:
+    SECONDS with probability FRACTION, else none (drawn afresh for every server and update)."""
+    if not slow_updates:
+        return 0.0
+    fraction, seconds = map(float, slow_updates.split(":"))
+    return seconds if rng.random() < fraction else 0.0
+
+
+def fake_rollout_servicer(control: str, queue_url: str, follow_by: str, slow_updates: str = ""):
     from rlmesh.services.queue import connect
     from rlmesh.services.weights.announce import follow_updates
     from rlmesh.services.weights.base import PROTOCOL_VERSION
@@ -78,15 +87,26 @@ def fake_rollout_servicer(control: str, queue_url: str, follow_by: str):
 
     class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         """Answers the weight-control RPCs as a rollout server whose weight receive is simulated.
-        Every simulated server is in every broadcast, so they all hold `version`."""
+        `versions`: what each server following announcements holds (it answers each entry itself);
+        `version`: what every server holds when updates come as calls (one servicer answers all)."""
 
         version = 0
+        versions: dict[str, int] = {}
+
+        def held(self, generator_id: str) -> int:
+            return self.versions.get(generator_id, self.version)
 
         async def InitWeightTransfer(self, request, context):
             follow = control == "announce" and bool(request.announce_stream and request.announce_public_key)
             if request.generator_id in following:  # as the rollout server: a new group replaces the old one's
                 following.pop(request.generator_id).cancel()
-            apply = lambda update: self.UpdateWeights(update, None)  # noqa: E731 - this servicer's update path
+            rng = random.Random(request.generator_id)
+
+            async def apply(update, gid=request.generator_id):  # this servicer's update path, for one server
+                await asyncio.sleep(straggle_s(slow_updates, rng))  # a straggler (--slow-updates) loads slowly
+                reply = await self.UpdateWeights(update, None)
+                self.versions[gid] = max(self.versions.get(gid, 0), update.version)
+                return reply
             if follow and follow_by == "process":
                 process_follower.join(request, apply)
             elif follow:  # the rollout server's own follower
@@ -107,7 +127,8 @@ def fake_rollout_servicer(control: str, queue_url: str, follow_by: str):
 class ProcessFollower:
     """`--follow process`: one blocking read of the announce stream for all the simulated servers of a
     process, each of which then answers the entry itself (`announce.answer`: signature check, its update
-    path, its own HMAC'd report), over a shared pool of 64 connections. 10,000 servers following on a
+    path, its own HMAC'd report) in order from an inbox of its own (one server slow to load an update
+    holds back only its own next one), over a shared pool of 64 connections. 10,000 servers following on a
     connection each, beside each one's blocking prompt read, need 20,000+ Valkey connections, past one
     Valkey's file-descriptor hard limit on this machine (20,000); what the learner sees is the same."""
 
@@ -124,16 +145,27 @@ class ProcessFollower:
             self.reader = connect(self.queue_url)
             self.reports = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
                 self.queue_url, max_connections=64, timeout=None))
-        self.members[init.generator_id] = (init, apply)
+        if init.generator_id in self.members:  # a new group replaces the old one's
+            self.members[init.generator_id][2].cancel()
+        inbox: asyncio.Queue = asyncio.Queue()
+        self.members[init.generator_id] = (init, inbox, asyncio.create_task(self.answer_in_order(init, apply, inbox)))
         if init.announce_stream != self.stream:  # a new group: the old one's stream is over
             if self.task is not None:
                 self.task.cancel()
             self.stream, self.task = init.announce_stream, asyncio.create_task(self.run(init.announce_stream))
 
-    async def run(self, stream: str) -> None:
+    async def answer_in_order(self, init, apply, inbox: asyncio.Queue) -> None:
+        """One simulated server's follower past the shared read: each entry in turn, as `follow_updates` does."""
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-        from rlmesh.services.weights.announce import BLOCK_MS, LOST, answer
+        from rlmesh.services.weights.announce import answer
+
+        public_key = Ed25519PublicKey.from_public_bytes(init.announce_public_key)
+        while True:
+            await answer(self.reports, init, await inbox.get(), apply, public_key)
+
+    async def run(self, stream: str) -> None:
+        from rlmesh.services.weights.announce import BLOCK_MS, LOST
 
         last = "0-0"
         while True:
@@ -145,10 +177,9 @@ class ProcessFollower:
             for _, entries in got or []:
                 for entry_id, fields in entries:
                     last = entry_id
-                    members = [(i, a) for i, a in self.members.values() if i.announce_stream == stream]
-                    await asyncio.gather(*(answer(self.reports, init, fields, apply,
-                                                  Ed25519PublicKey.from_public_bytes(init.announce_public_key))
-                                           for init, apply in members))
+                    for init, inbox, _ in self.members.values():
+                        if init.announce_stream == stream:
+                            inbox.put_nowait(fields)
 
 
 def trajectory(prompt, generator_id: str, completion_tokens: int, rng: random.Random, version: int,
@@ -157,7 +188,6 @@ def trajectory(prompt, generator_id: str, completion_tokens: int, rng: random.Ra
     drawing 2,048 a group cost the simulators more CPU than the learner spends on it)."""
     from rlmesh.v1 import common_pb2
 
-    version = max(version, prompt.issued_at_version)
     pool = pool or [rng.randrange(1, 1000) for _ in range(2 * completion_tokens)]
     samples = []
     for i in range(prompt.n):
@@ -182,7 +212,8 @@ async def simulate(args: argparse.Namespace) -> None:
     from rlmesh.services.queue import run_streams
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 
-    server, fake = grpc.aio.server(), fake_rollout_servicer(args.control, args.queue_url, args.follow)
+    server, fake = grpc.aio.server(), fake_rollout_servicer(args.control, args.queue_url, args.follow,
+                                                             args.slow_updates)
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(fake, server)
     ports = [bind(server, args.port_base and args.port_base + args.first_client + i) for i in range(args.num_clients)]
     await server.start()
@@ -235,7 +266,11 @@ async def simulate(args: argparse.Namespace) -> None:
                     # the read was blocked: a server waiting for work is not a latency.
                     took["claim"].append(time.time() - max(t, int(entry.id.split("-")[0]) / 1000))
                     group = common_pb2.PromptGroup.FromString(entry.data)
-                    version = fake.version  # the weights it generates with
+                    t = time.monotonic()
+                    while fake.held(gid) < group.issued_at_version:  # as a rollout server's worker waits
+                        await asyncio.sleep(0.05)
+                    took["weights_wait"].append(time.monotonic() - t)
+                    version = fake.held(gid)  # the weights it generates with
                     await asyncio.sleep(args.gen_s * rng.uniform(0.5, 1.5))
                     data = trajectory(group, gid, args.completion_tokens, rng, version, pool).SerializeToString()
                     t = time.monotonic()
@@ -374,7 +409,8 @@ async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
                               str(lo), "--learner", f"127.0.0.1:{server.port}", "--queue-url", url, "--gen-s",
                               str(args.gen_s), "--completion-tokens", str(args.completion_tokens),
                               "--control", args.control, "--follow", follow_by, "--port-base", str(args.port_base),
-                              "--idle-block-ms", str(args.idle_block_ms), "--ramp-s",
+                              "--idle-block-ms", str(args.idle_block_ms), "--slow-updates", args.slow_updates,
+                              "--ramp-s",
                               str(args.ramp_s if args.ramp_s is not None else n / 200)],
                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}) for lo, hi in slices]
@@ -428,12 +464,19 @@ async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
     background: list[dict] = []
 
     async def top_up(num_buffered: int, version: int) -> None:
-        """The controller's prompt top-up: once the update has completed everywhere, issue at `version`."""
+        """The controller's prompt top-up: issue at `version` as soon as it is sent (each server
+        generates once it holds it)."""
         t = time.monotonic()
-        completed = await broadcaster.settled()
-        t_settled = time.monotonic()
         await issuer.issue_train(num_buffered, version)
-        background.append({"settle_s": t_settled - t, "issue_s": time.monotonic() - t_settled, **completed})
+        background.append({"issue_s": time.monotonic() - t})
+
+    async def completion(record: dict) -> None:
+        """When the update just sent has completed on every server (nothing on the learner waits for it)."""
+        t = time.monotonic()
+        record.update(await broadcaster.settled(), settle_s=time.monotonic() - t)
+
+    completions: list[dict] = []
+    watching: list[asyncio.Future] = []
 
     async def train_step() -> float:
         """The training stand-in: a thread busy for --step-s without the GIL; when it ended."""
@@ -488,6 +531,8 @@ async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
         state["version"] = version + 1
         metrics = await broadcaster.send(version + 1, source)
         issuing = asyncio.ensure_future(top_up(len(buffer), version + 1))
+        completions.append({})
+        watching.append(asyncio.ensure_future(completion(completions[-1])))
         wall = time.monotonic() - wall0
         train_s = t_trained - t_train
         steps.append({"issue_s": issue_s, "admit_s": admit_s, "tail_s": tail_s, "ack_s": ack_s,
@@ -499,6 +544,8 @@ async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
                       **{key: v for key, v in metrics.items() if key.startswith("broadcast_") and key.endswith("_s")}})
     if issuing is not None:
         await issuing
+    await asyncio.gather(*watching)
+    background = [{**b, **c} for b, c in zip(background, completions)]
     if profile is not None:
         profile.disable()
         profile.dump_stats(f"{args.profile}.{n}")
@@ -576,6 +623,9 @@ def main() -> None:
                    help="how long a simulated server's prompt read blocks (it returns as soon as a prompt arrives): "
                         "10,000 idle servers re-reading every 2.5 s took more CPU than the simulators' two cores have "
                         "(a rollout server blocks 200 ms; the learner sees none of it)")
+    p.add_argument("--slow-updates", default="", metavar="FRACTION:SECONDS",
+                   help="stragglers: each simulated server takes SECONDS to load an announced update with probability "
+                        "FRACTION, drawn afresh per update (a busy node, a pause); e.g. 0.001:15")
     p.add_argument("--ramp-s", type=float, default=None,
                    help="the simulated servers start spread over this long (default N / 200 s: 50 s at 10,000)")
     p.add_argument("--profile", help="write the learner's cProfile stats of each N's steps to PATH.N")
@@ -626,7 +676,8 @@ def main() -> None:
             ("servers at the end", "servers_after", "d"), ("valkey clients (end)", "valkey_clients", "d"), ("  their buffers (MiB)", "valkey_clients_mib", ".1f"),
             ("p50 / p99 (ms):", None, ""),
             *((f"  {call.replace('_', ' ')} p{q}", f"{call}_p{q}_ms", ".1f") for call in
-              ("register", "heartbeat", "claim", "publish", "ack", "announce_round_trip") for q in ("50", "99")),
+              ("register", "heartbeat", "claim", "weights_wait", "publish", "ack", "announce_round_trip")
+              for q in ("50", "99")),
             ("  announcement: all in (s)", "bg_settle_s_p50", ".3f"),
             ("trained / unique", None, ""), ("lost / dup / dropped", None, "")]
     print()

@@ -88,6 +88,7 @@ async def keep_membership(stub: learner_pb2_grpc.LearnerServiceStub, generator_i
             reply = await stub.RegisterGenerator(learner_pb2.RegisterGeneratorRequest(
                 generator_id=generator_id, address=address, num_workers=1, version=generator.version))
             registered = True
+            worker.learner_run_id = reply.run_id
             if reply.version == generator.version:
                 worker.ready.set()  # both loaded the same initial weights
                 log.info("registered with learner as %s at version %d; serving prompts", generator_id, reply.version)
@@ -234,7 +235,7 @@ async def build(config: RunConfig, args: argparse.Namespace, generator: VLLMGene
     worker = RolloutWorker(generator, prompts, trajectories, rewards, episodes, consumer="pending",
                            max_concurrent_groups=config.rollout.max_concurrent_groups,
                            max_abs_reward=config.reward.max_abs_reward, queue_url=config.queue.url, agents=agents)
-    service = RolloutService(generator, "pending", receiver, worker, on_weights=lambda version: worker.ready.set(),
+    service = RolloutService(generator, "pending", receiver, worker, on_weights=lambda version: worker.weights_changed(),
                              queue=redis)
     server = await start_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, service, SERVICE_NAME)],
                                 host=config.network.host, port=args.port, token=token, tls=tls,

@@ -99,24 +99,29 @@ class Controller:
         # awaited before anything else issues, checkpoints or evaluates.
         self.issuing: asyncio.Future | None = None
 
-    async def _issued(self) -> None:
-        """Wait for the background prompt top-up, if any, and for the last weight update to have
-        completed on every rollout server (their failures are raised here)."""
+    async def _topped_up(self) -> None:
+        """Wait for the background prompt top-up, if any (before issuing more: its budget is fixed)."""
         issuing, self.issuing = self.issuing, None
         if issuing is not None:
             await issuing
+
+    async def _issued(self) -> None:
+        """Wait for the background prompt top-up, if any, and for the last weight update to have
+        completed on every rollout server (their failures are raised here)."""
+        await self._topped_up()
         await self.broadcaster.settled()
 
     async def _top_up(self, num_buffered: int, version: int) -> None:
-        """Issue train prompts at `version` once every rollout server holds it (the update's completion
-        runs beside the next training step)."""
-        await self.broadcaster.settled()
+        """Issue train prompts at `version` as soon as it is sent: a rollout server that claims one
+        before it holds `version` waits for its own update to finish before generating
+        (`rlmesh.rollout_server.worker`), so the slowest server's report no longer holds back every
+        server's next prompts. The update's completion runs beside the next training step."""
         await self.issuer.issue_train(num_buffered, version)
 
     async def _refill(self, num_ready: int) -> None:
         """During a step, groups were dropped: issue prompts in their place at this version, counting
         the step's own batch as still buffered (so the bound is the one the last top-up kept). Not
-        before that top-up has run: it waits until every rollout server holds this version. Synchronous
+        before that top-up has run (the budget it fixed would be counted twice). Synchronous
         runs (k=0) issue nothing here: the next fill does; nor does the last step (nothing trains after it)."""
         if self.version + 1 < self.config.learner.num_steps and (self.issuing is None or self.issuing.done()):
             await self.issuer.issue_train(num_ready + self.B, self.version)
@@ -223,7 +228,7 @@ class Controller:
                     ready.append((e, g))
             if len(ready) >= self.B:
                 return ready
-            await self._issued()
+            await self._topped_up()  # not the update's completion: a server generates once it holds the version
             await self._reissue_malformed()
             await self.issuer.issue_train(len(ready), self.version)
             arrivals = await self._read(self.version)
@@ -283,7 +288,7 @@ class Controller:
                 self.unacked.append(e.id)
             self.trained_log.write({"version": self.version, "group_ids": [g.group_id for g in groups]})
             # Returns once the weights are sent; every server's reply and the digest check complete
-            # beside the next step (`broadcaster.settled`, which the prompt top-up waits for).
+            # beside the next step (`broadcaster.settled`; checkpoints and evaluations wait for it).
             bc = await self.broadcaster.send(self.version, self.weights)
             # Top the prompt stream up as soon as the new version is out, whatever comes next: a
             # step trained from groups already buffered (e.g. those held back during an evaluation)

@@ -68,6 +68,10 @@ class UpdateAnnouncer:
         self.prefix = f"{prefix}:{secrets.token_hex(8)}"  # fresh per learner: a restarted one shares no keys
         self.announce_key = self.report_key = ""
         self._last_report = "0-0"
+        self._open: set[int] = set()  # versions announced to this group whose reports are not collected yet
+        self._ahead: dict[int, dict[str, rollout_pb2.UpdateWeightsResponse | Exception]] = {}
+        """Reports of a later open version read while collecting an earlier one (updates overlap: one
+        reader, one cursor), taken by that version's collect."""
         self._signing = Ed25519PrivateKey.generate()
         self._report_secret = secrets.token_bytes(32)
 
@@ -88,6 +92,7 @@ class UpdateAnnouncer:
             await self.client.delete(self.announce_key, self.report_key)
         self.announce_key, self.report_key = f"{self.prefix}:{epoch}:updates", f"{self.prefix}:{epoch}:reports"
         self._last_report = "0-0"
+        self._open, self._ahead = set(), {}
         self._signing, self._report_secret = Ed25519PrivateKey.generate(), secrets.token_bytes(32)  # fresh per group
         return self.announce_key, self.report_key
 
@@ -100,14 +105,19 @@ class UpdateAnnouncer:
         pipe.expire(self.announce_key, KEY_TTL_S)
         pipe.expire(self.report_key, KEY_TTL_S)  # made by the first reports: from the second update on
         await pipe.execute()
+        self._open.add(request.version)
 
-    async def collect(self, version: int, epoch: int, member_ids: set[str],
-                      timeout_s: float) -> dict[str, rollout_pb2.UpdateWeightsResponse | Exception]:
+    async def collect(self, version: int, epoch: int, member_ids: set[str], timeout_s: float,
+                      waiting: set[str] | None = None) -> dict[str, rollout_pb2.UpdateWeightsResponse | Exception]:
         """Every member's reply to update `version`, or the error it reported, or a TimeoutError for
-        one that did not report within `timeout_s`."""
-        out: dict[str, rollout_pb2.UpdateWeightsResponse | Exception] = {}
+        one that did not report within `timeout_s`. Collects of one group run one at a time, in the
+        order of their versions: reports of a later announced version read meanwhile are kept for it.
+        `waiting` (default: every member) may shrink while this runs: a member taken out of it (dropped
+        by an earlier update) is no longer waited for, and has no entry in the result."""
+        waiting = member_ids if waiting is None else waiting
+        out = {gid: got for gid, got in self._ahead.pop(version, {}).items() if gid in member_ids}
         deadline = time.monotonic() + timeout_s
-        while len(out) < len(member_ids) and (left_s := deadline - time.monotonic()) > 0:
+        while waiting - out.keys() and (left_s := deadline - time.monotonic()) > 0:
             try:
                 got = await self.client.xread({self.report_key: self._last_report}, count=REPORTS_PER_READ,
                                               block=max(1, int(min(left_s, BLOCK_MS / 1000) * 1000)))
@@ -119,7 +129,8 @@ class UpdateAnnouncer:
                 for entry_id, fields in entries:
                     self._last_report = entry_id
                     self._take(fields, version, epoch, member_ids, out)
-        for gid in member_ids - set(out):
+        self._open.discard(version)
+        for gid in waiting - set(out):
             out[gid] = TimeoutError(f"no report of update v{version} within {timeout_s:g}s (weight_sync.timeout_s)")
         return out
 
@@ -142,9 +153,12 @@ class UpdateAnnouncer:
         if not hmac.compare_digest(mac, fields.get(MAC_FIELD) or b""):
             log.warning("ignored a weight-update report in the name of %s without its key", report.generator_id)
             return
-        if report.version != version:
-            return  # a late report of an earlier update, already settled without it
-        out[report.generator_id] = RuntimeError(report.error) if report.error else report.reply
+        got = RuntimeError(report.error) if report.error else report.reply
+        if report.version == version:
+            out[report.generator_id] = got
+        elif report.version > version and report.version in self._open:  # the next update's, early
+            self._ahead.setdefault(report.version, {})[report.generator_id] = got
+        # else a late report of an earlier update, already settled without it
 
 
 async def follow_updates(client: aioredis.Redis, init: rollout_pb2.InitWeightTransferRequest,

@@ -111,6 +111,74 @@ async def test_a_server_whose_announced_update_fails_is_dropped_and_nothing_is_v
         await server.stop(0)
 
 
+class GatedEngine(Engine):
+    """Finishes the first update only once `release` is set (a server slow to load, or to report)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def finish_weight_update(self, version: int) -> None:
+        if version == 1:
+            await self.release.wait()
+        await super().finish_weight_update(version)
+
+
+async def test_the_next_announced_update_goes_out_before_the_slowest_report_of_the_last_but_not_two_ahead(valkey_url):
+    engine = GatedEngine()
+    server, _, membership, broadcaster = await _plane(valkey_url, engine)
+    try:
+        await broadcaster.broadcast(0, WeightSource.of(_named(0)))  # the group forms; updates announced from here
+        assert broadcaster.announced
+        sent = {v: _named(v) for v in (1, 2, 3)}
+        await asyncio.wait_for(broadcaster.send(1, WeightSource.of(sent[1])), 10)
+        # v1 is not loaded, let alone reported: the learner still sends v2 (UPDATES_IN_FLIGHT).
+        await asyncio.wait_for(broadcaster.send(2, WeightSource.of(sent[2])), 10)
+        assert engine.version == 0 and broadcaster.verified_versions == [0]
+        third = asyncio.ensure_future(broadcaster.send(3, WeightSource.of(sent[3])))
+        await asyncio.sleep(1.0)
+        assert not third.done()  # two incomplete already: v3 waits for v1's reports
+        engine.release.set()
+        await asyncio.wait_for(third, 20)
+        await asyncio.wait_for(broadcaster.settled(), 20)
+        # Every version held and verified, in order, on the server and in the learner's books.
+        assert broadcaster.verified_versions == [0, 1, 2, 3] and engine.version == 3
+        assert membership.generators["gen"].version == 3
+        assert broadcaster.last_digest == engine.digest == weights_digest(sent[3], algorithm="blake3")
+    finally:
+        await server.stop(0)
+
+
+async def test_reports_of_the_next_update_read_while_collecting_the_last_are_kept_for_it(valkey_url):
+    queue = connect(valkey_url)
+    announcer = UpdateAnnouncer(queue, prefix="test:ahead")
+    _, reports = await announcer.open(4)
+    for version in (7, 8):
+        await announcer.announce(rollout_pb2.UpdateWeightsRequest(version=version, group_epoch=4))
+
+    async def report(gid: str, version: int) -> None:
+        data = rollout_pb2.UpdateWeightsReport(generator_id=gid, version=version, group_epoch=4,
+                                               reply=rollout_pb2.UpdateWeightsResponse(num_tensors=version))
+        data = data.SerializeToString()
+        await queue.xadd(reports, {REPORT_FIELD: data,
+                                   MAC_FIELD: hmac.new(announcer.report_key_for(gid), data, hashlib.sha256).digest()})
+
+    await report("a", 7)
+    await report("a", 8)  # a is quick: its v8 report is on the stream before b's v7
+    await report("b", 7)
+    first = await announcer.collect(7, 4, {"a", "b"}, timeout_s=5)
+    assert first["a"].num_tensors == first["b"].num_tensors == 7
+    await report("b", 8)
+    second = await announcer.collect(8, 4, {"a", "b"}, timeout_s=2)
+    assert second["a"].num_tensors == second["b"].num_tensors == 8
+    # A member taken out of `waiting` (dropped meanwhile) is not waited for, and not reported on.
+    await announcer.announce(rollout_pb2.UpdateWeightsRequest(version=9, group_epoch=4))
+    await report("a", 9)
+    third = await asyncio.wait_for(announcer.collect(9, 4, {"a", "b"}, timeout_s=30, waiting={"a"}), 10)
+    assert set(third) == {"a"}
+    await queue.aclose()
+
+
 async def test_forged_malformed_and_oversized_reports_are_ignored(valkey_url):
     queue = connect(valkey_url)
     announcer = UpdateAnnouncer(queue, prefix="test:forged")
