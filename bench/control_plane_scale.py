@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import collections
 import itertools
 import json
 import os
 import random
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -414,6 +416,7 @@ async def learner_run(n: int, args: argparse.Namespace, follow_by: str) -> dict:
                               str(args.ramp_s if args.ramp_s is not None else n / 200)],
                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}) for lo, hi in slices]
+    atexit.register(lambda: [sim.kill() for sim in sims])
     t0 = time.monotonic()
     lines = [json.loads(await asyncio.get_running_loop().run_in_executor(None, sim.stdout.readline)) for sim in sims]
     register = {"register_p50_s": max(x["register_p50_s"] for x in lines),
@@ -640,6 +643,8 @@ def main() -> None:
     p.add_argument("--learner", help=argparse.SUPPRESS)
     p.add_argument("--queue-url", help=argparse.SUPPRESS)
     args = p.parse_args()
+    # Stopped (SIGTERM), it exits as on an error: interpreter exit stops Valkey, and the simulators (below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Every simulated server is a Valkey connection or two, a listening socket and a learner channel:
     # as many file descriptors as the hard limit allows (the simulators and Valkey inherit it).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -104,8 +104,14 @@ class UpdateAnnouncer:
                   approximate=False)
         pipe.expire(self.announce_key, KEY_TTL_S)
         pipe.expire(self.report_key, KEY_TTL_S)  # made by the first reports: from the second update on
-        await pipe.execute()
+        # Open before the entry is out: a quick server's report may be read (by the collect of the update
+        # before) before this call returns.
         self._open.add(request.version)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self._open.discard(request.version)
+            raise
 
     async def collect(self, version: int, epoch: int, member_ids: set[str], timeout_s: float,
                       waiting: set[str] | None = None) -> dict[str, rollout_pb2.UpdateWeightsResponse | Exception]:

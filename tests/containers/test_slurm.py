@@ -35,6 +35,10 @@ DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
 JOIN = os.environ.get("RLMESH_TEST_SLURM_JOIN") == "1"
 """Whether job B is grown by a join job and shrunk again (opt-in: ~6 more minutes on 2 shared cores, most of
 it the joiner's vLLM start beside the busy one; CI's time is near its limit)."""
+NODE_LOSS = os.environ.get("RLMESH_TEST_SLURM_NODE_LOSS") == "1"
+"""Whether job C (`sbatch --no-kill`, two rollout nodes) loses one rollout node mid-run and trains on
+without a requeue (opt-in: ~8 more minutes here)."""
+NUM_STEPS_C = 16
 
 
 class Cluster:
@@ -210,6 +214,8 @@ def slurm(rlmesh_images):
         time.sleep(2)
         events["after_scancel"] = c.rlmesh_processes()
         stamp("job B cancelled")
+        if NODE_LOSS:
+            _lose_a_rollout_node(c, events, stamp)
     finally:
         c.cluster("down", check=False)
     events["containers_left"] = c.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}").split()
@@ -249,6 +255,49 @@ def _shrink_job_b(c: Cluster, job_b: str, events: dict, stamp) -> None:
                            "join_out": c.read(f"/shared/slurm-{join}.out"),
                            "trained_groups": c.run("cat", "/shared/runs/b/trained_groups.jsonl", check=False)}
     stamp("join job cancelled, job B goes on")
+
+
+def _lose_a_rollout_node(c: Cluster, events: dict, stamp) -> None:
+    """Job C, `sbatch --no-kill` on four nodes with one learner node: rollout servers on node2 and
+    node3, the reward server on node4. Once both rollout servers' groups are trained, node3's container
+    is SIGKILLed; the job must go on (no requeue) on node2's server, which claims what node3 held."""
+    job_secrets = {"RLMESH_TOKEN": secrets.token_hex(32), "RLMESH_QUEUE_PASSWORD": secrets.token_hex(32)}
+    job = events["job_c"] = c.submit_with_secrets(
+        {**job_secrets, "RLMESH_LEARNER_NODES": "1"}, "--nodes=4", "--no-kill", "--output=/shared/slurm-%j.out",
+        "/shared/rlmesh.sbatch", "/shared/run.yaml", "/shared/runs/c", f"learner.num_steps={NUM_STEPS_C}",
+        "checkpoint.every_n_steps=0", "rollout.cpu_cores=0-1")
+    c.wait(lambda: {"node2-0", "node3-0"} <= set().union(*c.generators("/shared/runs/c"), set()), 900,
+           "job C to train groups of both rollout servers", job)
+    events["c_killed_at_step"] = c.train_steps("/shared/runs/c")
+    port = next(int(m) for m in re.findall(r"queue\.url=redis://node1:(\d+)/0", c.on_node("node1", "ps", "-eo", "args=")))
+    probe = PENDING.format(port=port, password=job_secrets["RLMESH_QUEUE_PASSWORD"])
+    events["c_pending_at_kill"] = c.on_node("node4", "python3", "-c", probe)
+    c.docker("kill", c.container("node3"))
+    killed = time.monotonic()
+    stamp(f"job C: node3 killed at step {events['c_killed_at_step']}")
+    # node3's claims idle out (queue.claim_idle_ms) and node2's server takes them; probed while the job runs.
+    c.wait(lambda: json.loads(c.on_node("node4", "python3", "-c", probe) or "{}").get("node3-0", 0) == 0
+           or c.job_state(job) != "RUNNING", 600, "node3's claimed prompt groups to be taken over", job)
+    events["c_pending_after"] = c.on_node("node4", "python3", "-c", probe)
+    events["c_claims_taken_after_s"] = time.monotonic() - killed
+    c.wait(lambda: c.job_state(job) == "COMPLETED", 1200, "job C to finish without node3", job)
+    events["c_finished_after_s"] = time.monotonic() - killed
+    events["c_out"] = c.read(f"/shared/slurm-{job}.out")
+    events["c_job"] = c.run("scontrol", "show", "job", job, check=False)
+    events["c_generators"] = c.generators("/shared/runs/c")
+    events["c_trained"] = c.read("/shared/runs/c/trained_groups.jsonl")
+    events["c_dropped"] = c.run("sh", "-c", "cat /shared/runs/c/dropped_groups.jsonl 2>/dev/null || true")
+    events["c_node2_log"] = c.read("/shared/runs/c/logs/rollout-0-node2.log")
+    c.docker("start", c.container("node3"))  # the cluster goes down whole
+    stamp("job C done")
+
+
+# Prompt groups each consumer of the job's prompt stream holds unacked (run's password; XPENDING only).
+PENDING = """
+import json, redis
+r = redis.Redis(host="node1", port={port}, password={password!r}, socket_timeout=10)
+print(json.dumps({{c["name"].decode(): int(c["pending"]) for c in r.xpending("rlmesh:prompts", "rollout")["consumers"]}}))
+"""
 
 
 # A stranger on the cluster network (node4 is on it): the job's Valkey on node1, without the password.
@@ -383,3 +432,26 @@ def test_a_join_job_adds_a_rollout_node_to_the_running_job_and_leaves_without_lo
     assert len(generators) >= left["steps_at_leave"] + 4 and all(g == {"node2-0"} for g in generators[-2:]), generators
     trained = [g for r in map(json.loads, left["trained_groups"].splitlines()) for g in r.get("group_ids", [])]
     assert trained and len(trained) == len(set(trained)), "a group was trained twice"
+
+
+@pytest.mark.skipif(not NODE_LOSS, reason="opt-in: RLMESH_TEST_SLURM_NODE_LOSS=1 (about 8 more minutes here)")
+def test_losing_a_rollout_node_costs_its_claims_only_with_no_requeue_nothing_lost_or_trained_twice(slurm):
+    """Job C (`--no-kill`) loses node3, one of its two rollout nodes, mid-run: the script lets that server
+    go, node2's server claims the prompt groups node3 held, and the job finishes every step once,
+    without a requeue."""
+    out, job = slurm["c_out"], slurm["job_c"]
+    print(f"slurm: job C: node3 killed at step {slurm['c_killed_at_step']}; pending by consumer then "
+          f"{slurm['c_pending_at_kill'].strip()}, {slurm['c_claims_taken_after_s']:.0f} s later "
+          f"{slurm['c_pending_after'].strip()}; finished {slurm['c_finished_after_s']:.0f} s after the kill")
+    assert "Restarts=0" in slurm["c_job"] and f"job {job} run 1 on" not in out, "the job was requeued"
+    assert "rollout-0 on node3 exited" in out and "is not started again" in out, out[-3000:]
+    assert json.loads(slurm["c_pending_after"]).get("node3-0", 0) == 0, slurm["c_pending_after"]
+    rows = [json.loads(line) for line in slurm["c_trained"].splitlines()]
+    steps = [r for r in rows if "group_ids" in r]
+    trained = [g for r in steps for g in r["group_ids"]]
+    assert [r["version"] for r in steps] == list(range(1, NUM_STEPS_C + 1)), [r["version"] for r in steps]
+    assert len(trained) == len(set(trained)) == NUM_STEPS_C * GROUPS_PER_STEP, "a group was trained twice"
+    generators = slurm["c_generators"]
+    assert all(g == {"node2-0"} for g in generators[-2:]), generators  # the last steps: node2's server alone
+    if json.loads(slurm["c_pending_at_kill"]).get("node3-0", 0):
+        assert "claimed" in slurm["c_node2_log"] and "left pending by a dead rollout server" in slurm["c_node2_log"]

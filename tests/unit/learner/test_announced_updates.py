@@ -179,6 +179,49 @@ async def test_reports_of_the_next_update_read_while_collecting_the_last_are_kep
     await queue.aclose()
 
 
+async def test_a_report_that_comes_before_its_announce_call_returns_is_kept(valkey_url):
+    """A quick server reads the entry and reports before the learner's XADD call has returned; the
+    collect of the update before reads that report meanwhile, and must keep it for its own."""
+    queue = connect(valkey_url)
+    announcer = UpdateAnnouncer(queue, prefix="test:quick")
+    _, reports = await announcer.open(2)
+    await announcer.announce(rollout_pb2.UpdateWeightsRequest(version=1, group_epoch=2))
+
+    async def report(gid: str, version: int) -> None:
+        data = rollout_pb2.UpdateWeightsReport(generator_id=gid, version=version, group_epoch=2,
+                                               reply=rollout_pb2.UpdateWeightsResponse(num_tensors=version))
+        data = data.SerializeToString()
+        await queue.xadd(reports, {REPORT_FIELD: data,
+                                   MAC_FIELD: hmac.new(announcer.report_key_for(gid), data, hashlib.sha256).digest()})
+
+    first = asyncio.ensure_future(announcer.collect(1, 2, {"a", "b"}, timeout_s=10))
+    await report("a", 1)
+    pipeline = queue.pipeline
+
+    def quick_pipeline(*args, **kwargs):
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def execute_then_quick_report():
+            result = await execute()
+            await report("a", 2)  # a answered v2 before the announce call returned
+            await asyncio.sleep(0.5)  # ... and the collect of v1 has read it
+            return result
+
+        pipe.execute = execute_then_quick_report
+        return pipe
+
+    queue.pipeline = quick_pipeline
+    await announcer.announce(rollout_pb2.UpdateWeightsRequest(version=2, group_epoch=2))
+    queue.pipeline = pipeline
+    await report("b", 1)
+    assert (await first)["b"].num_tensors == 1
+    await report("b", 2)
+    second = await announcer.collect(2, 2, {"a", "b"}, timeout_s=2)
+    assert second["a"].num_tensors == 2 and second["b"].num_tensors == 2
+    await queue.aclose()
+
+
 async def test_forged_malformed_and_oversized_reports_are_ignored(valkey_url):
     queue = connect(valkey_url)
     announcer = UpdateAnnouncer(queue, prefix="test:forged")
