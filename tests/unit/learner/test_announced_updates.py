@@ -149,19 +149,24 @@ async def test_the_next_announced_update_goes_out_before_the_slowest_report_of_t
         await server.stop(0)
 
 
+async def _report(queue, announcer: UpdateAnnouncer, gid: str, version: int, epoch: int) -> None:
+    """`gid`'s signed report of update `version` (its reply's num_tensors = version), as a follower writes it."""
+    data = rollout_pb2.UpdateWeightsReport(generator_id=gid, version=version, group_epoch=epoch,
+                                           reply=rollout_pb2.UpdateWeightsResponse(num_tensors=version))
+    data = data.SerializeToString()
+    await queue.xadd(announcer.report_key, {REPORT_FIELD: data,
+                                            MAC_FIELD: hmac.new(announcer.report_key_for(gid), data,
+                                                                hashlib.sha256).digest()})
+
+
 async def test_reports_of_the_next_update_read_while_collecting_the_last_are_kept_for_it(valkey_url):
     queue = connect(valkey_url)
     announcer = UpdateAnnouncer(queue, prefix="test:ahead")
-    _, reports = await announcer.open(4)
+    await announcer.open(4)
     for version in (7, 8):
         await announcer.announce(rollout_pb2.UpdateWeightsRequest(version=version, group_epoch=4))
 
-    async def report(gid: str, version: int) -> None:
-        data = rollout_pb2.UpdateWeightsReport(generator_id=gid, version=version, group_epoch=4,
-                                               reply=rollout_pb2.UpdateWeightsResponse(num_tensors=version))
-        data = data.SerializeToString()
-        await queue.xadd(reports, {REPORT_FIELD: data,
-                                   MAC_FIELD: hmac.new(announcer.report_key_for(gid), data, hashlib.sha256).digest()})
+    report = lambda gid, version: _report(queue, announcer, gid, version, epoch=4)  # noqa: E731
 
     await report("a", 7)
     await report("a", 8)  # a is quick: its v8 report is on the stream before b's v7
@@ -184,15 +189,10 @@ async def test_a_report_that_comes_before_its_announce_call_returns_is_kept(valk
     collect of the update before reads that report meanwhile, and must keep it for its own."""
     queue = connect(valkey_url)
     announcer = UpdateAnnouncer(queue, prefix="test:quick")
-    _, reports = await announcer.open(2)
+    await announcer.open(2)
     await announcer.announce(rollout_pb2.UpdateWeightsRequest(version=1, group_epoch=2))
 
-    async def report(gid: str, version: int) -> None:
-        data = rollout_pb2.UpdateWeightsReport(generator_id=gid, version=version, group_epoch=2,
-                                               reply=rollout_pb2.UpdateWeightsResponse(num_tensors=version))
-        data = data.SerializeToString()
-        await queue.xadd(reports, {REPORT_FIELD: data,
-                                   MAC_FIELD: hmac.new(announcer.report_key_for(gid), data, hashlib.sha256).digest()})
+    report = lambda gid, version: _report(queue, announcer, gid, version, epoch=2)  # noqa: E731
 
     first = asyncio.ensure_future(announcer.collect(1, 2, {"a", "b"}, timeout_s=10))
     await report("a", 1)
