@@ -110,7 +110,8 @@ class RewardService(EnvironmentHost, reward_pb2_grpc.RewardServiceServicer):
         result = await env.run(prompt, MessageToDict(request.env_metadata), request.base_url, request.api_key)
         if result.error:
             log.warning("agent episode of %s ended without a reward: %s", request.env_name, result.error)
-        return reward_pb2.RunAgentResponse(reward=result.reward, components=result.components, error=result.error)
+        return reward_pb2.RunAgentResponse(reward=result.reward, components=result.components, error=result.error,
+                                           turn_rewards=result.turn_rewards)
 
     def agent_task(self, request: reward_pb2.RunAgentRequest) -> tuple[AgentEnvironment, list[Message]]:
         """The agent environment a RunAgent names and its prompt, or a SessionError saying what is wrong."""

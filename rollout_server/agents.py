@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from rlmesh.rollout_server.episode import common_prefix
+from rlmesh.rollout_server.episode import EpisodeTrace, common_prefix
 from rlmesh.v1 import common_pb2, reward_pb2
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ class AgentRunner:
             trace.reward, trace.components = reply.reward, dict(reply.components)
             if reply.error and not trace.error:
                 trace.finish_reason, trace.error = reply.error.split(":", 1)[0], reply.error
+            elif reply.turn_rewards and not trace.error:
+                credit_turns(trace, list(reply.turn_rewards), group.env_name)
             return episode
 
         episodes = await asyncio.gather(*(one(i) for i in range(group.n)))
@@ -68,3 +70,16 @@ class AgentRunner:
             if s.error:
                 log.warning("group %s agent episode %d failed: %s", group.group_id, s.index, s.error)
         return shared, samples
+
+
+def credit_turns(trace: EpisodeTrace, turn_rewards: list[float], env_name: str) -> None:
+    """Puts an agent's reward per model call on the episode's turns (the calls recorded, in order); a
+    count that is not the number of calls fails the episode `agent_bad_reward` (a reward per turn
+    cannot be matched to turns otherwise)."""
+    if len(turn_rewards) != len(trace.turns):
+        trace.finish_reason = "agent_bad_reward"
+        trace.error = (f"agent_bad_reward: agent {env_name!r} returned {len(turn_rewards)} turn_rewards for "
+                       f"{len(trace.turns)} model call(s) recorded; return one per call, in order")
+        return
+    for turn, reward in zip(trace.turns, turn_rewards):
+        turn.reward = reward

@@ -68,7 +68,8 @@ def _calculator(cfg: CalculatorDataSection, seed: int) -> tuple[list[Example], l
         # The shortcut answers at once, repeating the first number: wrong, and one definite habit
         # (not a spread of guesses), so that it can be the warm start's greedy choice.
         examples.append(Example(id=f"{a}+{b}", messages=prompt, env=cfg.env_name,
-                                metadata={"answer": a + b, "a": a, "b": b}, tools=[ADD_TOOL],
+                                metadata={"answer": a + b, "a": a, "b": b, "tool_call_reward": cfg.tool_call_reward},
+                                tools=[ADD_TOOL],
                                 demonstration=demonstration, shortcut=[*prompt, {"role": "assistant", "content": str(a)}]))
     return examples[cfg.num_eval:], examples[: cfg.num_eval]
 

@@ -5,7 +5,8 @@ the task's chat messages (a list of dicts), `metadata` its env_metadata. It talk
 through any OpenAI client: its process gets `OPENAI_BASE_URL` and `OPENAI_API_KEY` pointing at the
 episode's endpoint on the rollout server (`rlmesh.rollout_server.agent_endpoint`), and nothing else
 secret (the variables of `reward.function_env`, as reward functions get). It returns the episode's
-reward: a number, or `{"reward": r, "components": {...}}`.
+reward: a number, or `{"reward": r, "components": {...}, "turn_rewards": [...]}` (a reward per model
+call it made, in order, for per-turn credit; optional).
 
 A launcher process imports the agent once and forks each episode's process from it
 (`agent_process`), so an episode does not pay the agent's imports. An agent may also be a command (a
@@ -285,7 +286,7 @@ def _communicate(proc: subprocess.Popen, task: bytes, timeout_s: float) -> tuple
 
 def parse_answer(path: str, stdout: str) -> ScoreOutput:
     """The reward on the last line of what the agent's episode process answered: a JSON object
-    {"reward", "components"} or a bare number."""
+    {"reward", "components", "turn_rewards"} (the last two optional) or a bare number."""
     lines = stdout.strip().splitlines()
     try:
         answer = json.loads(lines[-1]) if lines else None
@@ -296,12 +297,16 @@ def parse_answer(path: str, stdout: str) -> ScoreOutput:
     if not isinstance(answer, dict) or "reward" not in answer:
         return ScoreOutput(error=f"agent_crashed: agent {path} gave no answer: its last line must be a number "
                                  'or {"reward": number, "components": {name: number}}')
-    reward, components = answer["reward"], answer.get("components") or {}
-    ok = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward) \
-        and isinstance(components, dict) \
-        and all(isinstance(v, (int, float)) and math.isfinite(v) for v in components.values())
+    reward, components, turns = answer["reward"], answer.get("components") or {}, answer.get("turn_rewards") or []
+    ok = _finite(reward) and isinstance(components, dict) and all(_finite(v) for v in components.values()) \
+        and isinstance(turns, list) and all(_finite(v) for v in turns)
     if not ok:
         return ScoreOutput(error=f"agent_bad_reward: agent {path} returned {answer['reward']!r} "
-                                 f"(components {components!r}); return a finite number or "
-                                 "{'reward': number, 'components': {name: number}}")
-    return ScoreOutput(float(reward), {str(k): float(v) for k, v in components.items()})
+                                 f"(components {components!r}, turn_rewards {turns!r}); return a finite number or "
+                                 "{'reward': number, 'components': {name: number}, 'turn_rewards': [number per call]}")
+    return ScoreOutput(float(reward), {str(k): float(v) for k, v in components.items()},
+                       turn_rewards=[float(v) for v in turns])
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

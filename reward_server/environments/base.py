@@ -41,6 +41,8 @@ class ScoreOutput:
     components: dict[str, float] = field(default_factory=dict)
     # Set when the item could not be scored at all; such samples are never trained on.
     error: str = ""
+    # An agent's reward for each model call it made, in order (per-turn credit); empty otherwise.
+    turn_rewards: list[float] = field(default_factory=list)
 
 
 class ItemError(Exception):

@@ -8,14 +8,21 @@ tool call is the final answer: reward 1 when it is exactly the integer `metadata
 (surrounding whitespace aside), else 0; the episode ends. After `max_turns` steps without an answer
 the episode ends with reward 0.
 
+A turn reward for the tool call (`tool_call_reward`, 0 unless the metadata sets it): the first turn
+of an episode that calls `add` on two integers summing to the answer gets it as its step's reward, so
+an episode's turns are rewarded apart (per-turn credit, `algorithm.credit.assign: turn`) and its
+reward is the call's plus the answer's.
+
 Metadata: `answer` (required), `a` and `b` (needed only when the prompt is empty and the rules are
-given as the first message), `max_turns` (4).
-Components: `correct`, `num_tool_calls` (this episode), `answer_in_text` (the first integer of the
-final message was right even when the format was not).
+given as the first message), `max_turns` (4), `tool_call_reward` (0).
+Components: `correct`, `num_tool_calls` (this episode), `correct_tool_calls` (of them, `add` calls
+whose result is the answer; their ratio over held-out episodes is the tool-call accuracy),
+`answer_in_text` (the first integer of the final message was right even when the format was not).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +36,10 @@ from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_
 class CalculatorState:
     answer: int
     max_turns: int
+    tool_call_reward: float
     turns: int = 0
     num_tool_calls: int = 0
+    correct_tool_calls: int = 0
     done: bool = False
 
 
@@ -61,6 +70,10 @@ class CalculatorEnvironment:
         max_turns = as_int(metadata.get("max_turns", 4))
         if max_turns is None or max_turns < 1:
             raise ValueError(f"calculator: metadata.max_turns={metadata.get('max_turns')!r} must be an integer >= 1")
+        tool_call_reward = metadata.get("tool_call_reward", 0)
+        if isinstance(tool_call_reward, bool) or not isinstance(tool_call_reward, (int, float)) \
+                or not math.isfinite(tool_call_reward) or tool_call_reward < 0:
+            raise ValueError(f"calculator: metadata.tool_call_reward={tool_call_reward!r} must be a finite number >= 0")
         observation = []
         if not prompt:
             a, b = as_int(metadata.get("a")), as_int(metadata.get("b"))
@@ -68,7 +81,7 @@ class CalculatorEnvironment:
                 raise ValueError("calculator: an empty prompt needs integer metadata.a and metadata.b to state "
                                  "the task")
             observation = [{"role": "user", "content": calculator_prompt(a, b)}]
-        return ResetOutput(CalculatorState(answer, max_turns), observation)
+        return ResetOutput(CalculatorState(answer, max_turns, float(tool_call_reward)), observation)
 
     def step(self, state: CalculatorState, action: Message) -> StepOutput:
         if state.done:
@@ -76,12 +89,16 @@ class CalculatorEnvironment:
         state.turns += 1
         text = action.get("content", "")
         if has_tool_call(text):
-            observation = [self._execute(call) for call in parse_tool_calls(text)]
+            calls = parse_tool_calls(text)
+            observation = [self._execute(call) for call in calls]
+            right = sum(self._is_right(call, result, state.answer) for call, result in zip(calls, observation))
+            reward = state.tool_call_reward if right and not state.correct_tool_calls else 0.0
             state.num_tool_calls += len(observation)
+            state.correct_tool_calls += right
             if state.turns < state.max_turns:
-                return StepOutput(observation, metadata={"turns": state.turns})
+                return StepOutput(observation, reward=reward, metadata={"turns": state.turns})
             state.done = True
-            return StepOutput(observation, reward=0.0, done=True, components=self._components(state, 0.0, 0.0),
+            return StepOutput(observation, reward=reward, done=True, components=self._components(state, 0.0, 0.0),
                               metadata={"turns": state.turns, "end": "max_turns"})
         state.done = True
         correct, in_text = score_integer(text, state.answer)
@@ -90,7 +107,13 @@ class CalculatorEnvironment:
 
     @staticmethod
     def _components(state: CalculatorState, correct: float, in_text: float) -> dict[str, float]:
-        return {"correct": correct, "num_tool_calls": float(state.num_tool_calls), "answer_in_text": in_text}
+        return {"correct": correct, "num_tool_calls": float(state.num_tool_calls),
+                "correct_tool_calls": float(state.correct_tool_calls), "answer_in_text": in_text}
+
+    @staticmethod
+    def _is_right(call, result: Message, answer: int) -> bool:
+        """An `add` call that ran and whose result is the task's answer."""
+        return not isinstance(call, MalformedToolCall) and call.name == "add" and result["content"] == str(answer)
 
     @staticmethod
     def _execute(call) -> Message:

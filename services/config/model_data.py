@@ -114,6 +114,8 @@ class CalculatorDataSection(Section):
     """Operands are drawn from [min_operand, max_operand]: large enough that a tiny model cannot add them in its weights."""
     max_operand: int = Field(999, ge=1)
     """Largest operand."""
+    tool_call_reward: float = Field(0.0, ge=0, le=1)
+    """A turn reward for the episode's first `add` call whose result is the answer, beside the final answer's 1 (the calculator's `tool_call_reward` metadata): turns rewarded apart, for per-turn credit (`algorithm.credit.assign`). 0: only the answer is rewarded."""
     env_name: str = "calculator"
     """Environment that runs the episodes (a multi-turn environment with an `add` tool)."""
 

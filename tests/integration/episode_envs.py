@@ -82,7 +82,9 @@ def tool_agent(prompt: list[dict], metadata: dict) -> dict:
     messages.append({"role": "assistant", "content": said.content or ""})
     messages.append({"role": "tool", "tool_call_id": "call_0", "content": f"result {int(metadata['answer'])} then"})
     second = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL])
-    return {"reward": float(len(second.choices[0].message.content or "") % 2), "components": {"calls": 2.0}}
+    reward = float(len(second.choices[0].message.content or "") % 2)
+    # a reward for each call (per-turn credit): the first call's, and the rest on the second
+    return {"reward": reward, "components": {"calls": 2.0}, "turn_rewards": [0.25, reward - 0.25]}
 
 
 def sdk_agent(prompt: list[dict], metadata: dict) -> float:

@@ -278,6 +278,7 @@ async def test_agents_that_own_their_loop_train_on_the_ids_sampled_and_fail_by_n
     for s in traj.samples:
         assert not s.error and s.finish_reason == "done" and s.num_turns == 2, (s.error, s.finish_reason)
         assert s.reward_components["calls"] == 2.0 and s.reward in (0.0, 1.0)
+        assert [t.reward for t in s.turns] == [0.25, s.reward - 0.25]  # the agent's turn_rewards, per call
         ids, mask = list(s.completion.token_ids), list(s.completion.loss_mask)
         first, second = s.turns
         expected_mask = [False] * len(ids)

@@ -181,7 +181,7 @@ class RunAgentRequest(_message.Message):
     def __init__(self, env_name: _Optional[str] = ..., prompt: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., env_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., base_url: _Optional[str] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class RunAgentResponse(_message.Message):
-    __slots__ = ("reward", "components", "error")
+    __slots__ = ("reward", "components", "error", "turn_rewards")
     class ComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -192,7 +192,9 @@ class RunAgentResponse(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
     reward: float
     components: _containers.ScalarMap[str, float]
     error: str
-    def __init__(self, reward: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ...) -> None: ...
+    turn_rewards: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, reward: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., turn_rewards: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -8,13 +8,18 @@ from rlmesh.reward_server.environments.agent import AgentEnvironment, parse_answ
 def test_a_number_or_a_reward_with_components_is_taken():
     assert parse_answer("a:f", 'log line\n{"reward": 1}\n').reward == 1.0
     got = parse_answer("a:f", '{"reward": 0.5, "components": {"calls": 2}}')
-    assert (got.reward, got.components, got.error) == (0.5, {"calls": 2.0}, "")
+    assert (got.reward, got.components, got.error, got.turn_rewards) == (0.5, {"calls": 2.0}, "", [])
+    turns = parse_answer("a:f", '{"reward": 1.5, "turn_rewards": [0.5, 1]}')
+    assert (turns.reward, turns.turn_rewards, turns.error) == (1.5, [0.5, 1.0], "")
 
 
 @pytest.mark.parametrize("stdout, reason", [
     ("", "agent_crashed"), ("not json", "agent_crashed"), ('{"score": 1}', "agent_crashed"),
     ('{"reward": NaN}', "agent_bad_reward"), ('{"reward": "high"}', "agent_bad_reward"),
     ('{"reward": true}', "agent_bad_reward"), ('{"reward": 1, "components": {"x": Infinity}}', "agent_bad_reward"),
+    ('{"reward": 1, "turn_rewards": [0.5, NaN]}', "agent_bad_reward"),
+    ('{"reward": 1, "turn_rewards": {"0": 1}}', "agent_bad_reward"),
+    ('{"reward": 1, "turn_rewards": ["1"]}', "agent_bad_reward"),
 ])
 def test_anything_else_ends_the_episode_with_a_named_reason(stdout, reason):
     got = parse_answer("pkg.mod:agent", stdout)

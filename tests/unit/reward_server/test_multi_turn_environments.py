@@ -62,7 +62,28 @@ def test_calculator_runs_the_add_tool_then_scores_the_answer():
     assert not call.done and call.reward == 0.0
     final = env.step(state, _say(" 579\n"))
     assert final.done and final.reward == 1.0 and final.observation == []
-    assert final.components == {"correct": 1.0, "num_tool_calls": 1.0, "answer_in_text": 1.0}
+    assert final.components == {"correct": 1.0, "num_tool_calls": 1.0, "correct_tool_calls": 1.0,
+                                "answer_in_text": 1.0}
+
+
+def test_calculator_rewards_the_first_right_tool_call_on_its_turn():
+    env = CalculatorEnvironment()
+    state = env.reset({"a": 123, "b": 456, "answer": 579, "tool_call_reward": 0.25, "max_turns": 4}, PROMPT).state
+    wrong = env.step(state, _say(format_tool_call("add", {"a": 123, "b": 455})))
+    right = env.step(state, _say(format_tool_call("add", {"a": 456, "b": 123}) + format_tool_call("add", {"a": 1})))
+    again = env.step(state, _say(format_tool_call("add", {"a": 123, "b": 456})))
+    final = env.step(state, _say("579"))
+    assert [s.reward for s in (wrong, right, again, final)] == [0.0, 0.25, 0.0, 1.0]
+    assert final.components["num_tool_calls"] == 4.0 and final.components["correct_tool_calls"] == 2.0
+    assert sum(s.reward for s in (wrong, right, again, final)) == 1.25, "the episode's reward is its turns' sum"
+    plain = env.reset({"answer": 579}, PROMPT).state
+    assert env.step(plain, _say(format_tool_call("add", {"a": 123, "b": 456}))).reward == 0.0, "off by default"
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), "0.5", True])
+def test_calculator_tool_call_reward_is_checked(value):
+    with pytest.raises(ValueError, match="tool_call_reward"):
+        CalculatorEnvironment().reset({"answer": 3, "tool_call_reward": value}, PROMPT)
 
 
 def test_calculator_wrong_or_wordy_answer_scores_zero():
