@@ -177,11 +177,14 @@ class AgentEnvironment:
         return launcher
 
     async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> ScoreOutput:
-        episode_env = {**self.tls_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-        if self.command is not None:
-            return await self._run_command(json.dumps({"prompt": prompt, "metadata": metadata}), episode_env)
-        # The task, answer and log are files in a directory only this user can read.
-        with tempfile.TemporaryDirectory(prefix="rlmesh-agent-") as tmp:
+        # The task, answer and log are files in a directory only this user can read; beside them the
+        # episode's own temporary directory (TMPDIR), gone with the episode.
+        with tempfile.TemporaryDirectory(prefix="rlmesh-agent-", ignore_cleanup_errors=True) as tmp:
+            own_tmp = os.path.join(tmp, "tmp")
+            os.mkdir(own_tmp, 0o700)
+            episode_env = {**self.tls_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "TMPDIR": own_tmp}
+            if self.command is not None:
+                return await self._run_command(json.dumps({"prompt": prompt, "metadata": metadata}), episode_env)
             task, answer, log_path = (os.path.join(tmp, n) for n in ("task.json", "answer.json", "log"))
             with open(task, "w") as f:
                 json.dump({"prompt": prompt, "metadata": metadata}, f)

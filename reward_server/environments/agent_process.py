@@ -6,8 +6,8 @@ Spoken over stdin/stdout, one JSON object a line:
 - launcher -> server, once: `{"ready": true}` after the import, or `{"fatal": "..."}` and exit;
 - server -> launcher: `{"id", "task", "answer", "log", "env"}` starts an episode: the child reads the
   task ({"prompt", "metadata"}) from `task`, runs with `env` added to its environment (the episode's
-  OPENAI_BASE_URL and OPENAI_API_KEY), writes whatever it prints to `log` and its answer
-  ({"reward", "components"}) to `answer`;
+  OPENAI_BASE_URL and OPENAI_API_KEY, and TMPDIR, its own temporary directory), writes whatever it
+  prints to `log` and its answer ({"reward", "components", "turn_rewards"}) to `answer`;
 - launcher -> server: `{"id", "pid"}` when the episode's process started, `{"id", "exit"}` when it ended.
 
 Each episode's process is a session (process group) of its own, so the server kills an agent with what
@@ -26,6 +26,7 @@ import random
 import select
 import signal
 import sys
+import tempfile
 import traceback
 
 from rlmesh.reward_server.environments.base import load_callable
@@ -104,6 +105,7 @@ def _episode(agent, request: dict, launcher: int) -> None:
         os.dup2(devnull, 0)
         os.close(devnull)
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # the episode's TMPDIR, not a directory the launcher's imports cached
         random.seed()  # forked episodes must not share the launcher's random stream
         exit_with_parent(launcher, with_group=True)
         with open(request["task"]) as f:

@@ -57,20 +57,25 @@ def test_an_agent_dies_with_its_reward_server():
 
 def test_the_agent_is_imported_once_and_each_episode_is_its_own_process(tmp_path, monkeypatch):
     """Episodes fork from a launcher that imported the agent once: module-level code runs once, each
-    episode has its own process, environment and random stream, and what one episode changes in the
-    module is not seen by the next."""
+    episode has its own process, environment, random stream and temporary directory, and what one
+    episode changes in the module or plants in its temporary directory is not seen by the next."""
     import asyncio
     import os
 
-    imports = tmp_path / "imports"
+    imports, tmpdirs = tmp_path / "imports", tmp_path / "tmpdirs"
     (tmp_path / "counted_agent.py").write_text(
-        "import os, random\n"
+        "import os, random, tempfile\n"
         f"open({str(imports)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "tempfile.gettempdir()  # the launcher's import caches a temporary directory\n"
         "SEEN = []\n"
         "def agent(prompt, metadata):\n"
         "    SEEN.append(1)\n"
+        "    tmp = tempfile.gettempdir()\n"
+        "    found = len(os.listdir(tmp))\n"
+        "    open(os.path.join(tmp, 'planted'), 'w').write('from an earlier episode')\n"
+        f"    open({str(tmpdirs)!r}, 'a').write(tmp + '\\n')\n"
         "    return {'reward': random.random(), 'components': {'pid': os.getpid(), 'seen': len(SEEN),\n"
-        "            'key': float(os.environ['OPENAI_API_KEY']),\n"
+        "            'key': float(os.environ['OPENAI_API_KEY']), 'found': found,\n"
         "            'ca': float(os.environ.get('SSL_CERT_FILE') == '/mesh/ca.crt')}}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     env = AgentEnvironment("counted", "counted_agent:agent", timeout_s=30, ca_file="/mesh/ca.crt")
@@ -90,6 +95,10 @@ def test_the_agent_is_imported_once_and_each_episode_is_its_own_process(tmp_path
     assert [r.components["ca"] for r in results] == [1.0] * 4  # the CA of the endpoint's certificate
     assert sorted(r.components["key"] for r in results) == [0.0, 1.0, 2.0, 3.0]  # each its own episode's key
     assert len({r.reward for r in results}) == 4  # not one random stream copied into every episode
+    dirs = tmpdirs.read_text().split()
+    assert len(set(dirs)) == 4 and all("rlmesh-agent-" in d for d in dirs)  # each its own TMPDIR
+    assert [r.components["found"] for r in results] == [0.0] * 4  # none saw a file another planted
+    assert not any(os.path.exists(d) for d in dirs)  # and each is gone with its episode
 
 
 def test_a_command_agent_reads_its_task_on_stdin_and_fails_by_name():
