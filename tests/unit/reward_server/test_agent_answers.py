@@ -62,42 +62,55 @@ def test_the_agent_is_imported_once_and_each_episode_is_its_own_process(tmp_path
     import asyncio
     import os
 
+    import certifi  # a CA bundle that exists: the clients the agent makes load it
+
     imports, tmpdirs = tmp_path / "imports", tmp_path / "tmpdirs"
     (tmp_path / "counted_agent.py").write_text(
         "import os, random, tempfile\n"
         f"open({str(imports)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
         "tempfile.gettempdir()  # the launcher's import caches a temporary directory\n"
         "SEEN = []\n"
+        "import openai\n"
+        "from agents import set_default_openai_client\n"
+        "from agents.models import _openai_shared\n"
         "def agent(prompt, metadata):\n"
         "    SEEN.append(1)\n"
+        "    # clients the openai module and the Agents SDK cache per process, made from this episode's key\n"
+        "    cached = openai._client is not None or _openai_shared.get_default_openai_client() is not None\n"
+        "    set_default_openai_client(openai.AsyncOpenAI(), use_for_tracing=False)\n"
+        "    client_key = float(openai._load_client().api_key)\n"
         "    tmp = tempfile.gettempdir()\n"
         "    found = len(os.listdir(tmp))\n"
         "    open(os.path.join(tmp, 'planted'), 'w').write('from an earlier episode')\n"
         f"    open({str(tmpdirs)!r}, 'a').write(tmp + '\\n')\n"
         "    return {'reward': random.random(), 'components': {'pid': os.getpid(), 'seen': len(SEEN),\n"
-        "            'key': float(os.environ['OPENAI_API_KEY']), 'found': found,\n"
-        "            'ca': float(os.environ.get('SSL_CERT_FILE') == '/mesh/ca.crt')}}\n")
+        "            'key': float(os.environ['OPENAI_API_KEY']), 'found': found, 'cached': float(cached),\n"
+        "            'client_key': client_key,\n"
+        f"            'ca': float(os.environ.get('SSL_CERT_FILE') == {certifi.where()!r})}}}}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    env = AgentEnvironment("counted", "counted_agent:agent", timeout_s=30, ca_file="/mesh/ca.crt")
+    env = AgentEnvironment("counted", "counted_agent:agent", timeout_s=30, ca_file=certifi.where())
 
     async def episodes():
-        return await asyncio.gather(*(env.run([{"role": "user", "content": "x"}], {}, "http://127.0.0.1:9/v1", str(k))
-                                      for k in range(4)))
+        run = [env.run([{"role": "user", "content": "x"}], {}, "http://127.0.0.1:9/v1", str(k)) for k in range(5)]
+        first = await asyncio.gather(*run[:4])
+        return [*first, await run[4]]  # one more after the others have made their clients
 
     try:
         results = asyncio.run(episodes())
     finally:
         env.close()
-    assert [r.error for r in results] == [""] * 4
+    assert [r.error for r in results] == [""] * 5
     assert len(imports.read_text().split()) == 1  # imported once, in the launcher
-    assert len({r.components["pid"] for r in results}) == 4 and os.getpid() not in {r.components["pid"] for r in results}
-    assert [r.components["seen"] for r in results] == [1.0] * 4
-    assert [r.components["ca"] for r in results] == [1.0] * 4  # the CA of the endpoint's certificate
-    assert sorted(r.components["key"] for r in results) == [0.0, 1.0, 2.0, 3.0]  # each its own episode's key
-    assert len({r.reward for r in results}) == 4  # not one random stream copied into every episode
+    assert len({r.components["pid"] for r in results}) == 5 and os.getpid() not in {r.components["pid"] for r in results}
+    assert [r.components["seen"] for r in results] == [1.0] * 5
+    assert [r.components["ca"] for r in results] == [1.0] * 5  # the CA of the endpoint's certificate
+    assert [r.components["key"] for r in results] == [0.0, 1.0, 2.0, 3.0, 4.0]  # each its own episode's key
+    assert [r.components["cached"] for r in results] == [0.0] * 5  # no client an earlier episode made
+    assert [r.components["client_key"] for r in results] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert len({r.reward for r in results}) == 5  # not one random stream copied into every episode
     dirs = tmpdirs.read_text().split()
-    assert len(set(dirs)) == 4 and all("rlmesh-agent-" in d for d in dirs)  # each its own TMPDIR
-    assert [r.components["found"] for r in results] == [0.0] * 4  # none saw a file another planted
+    assert len(set(dirs)) == 5 and all("rlmesh-agent-" in d for d in dirs)  # each its own TMPDIR
+    assert [r.components["found"] for r in results] == [0.0] * 5  # none saw a file another planted
     assert not any(os.path.exists(d) for d in dirs)  # and each is gone with its episode
 
 
