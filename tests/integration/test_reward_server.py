@@ -198,7 +198,8 @@ async def test_remote_tool_use_session_is_routed_by_its_id(mesh):
     assert [(m.role, m.content) for m in tool.observation] == [("tool", "1243")]
     final = await stub.Step(reward_pb2.StepRequest(session_id=sid, action=_act("1243")))
     assert final.done and final.reward == 1.0
-    assert dict(final.components) == {"correct": 1.0, "num_tool_calls": 2.0, "answer_in_text": 1.0}
+    assert dict(final.components) == {"correct": 1.0, "num_tool_calls": 2.0, "correct_tool_calls": 1.0,
+                                       "answer_in_text": 1.0}
     await stub.Close(reward_pb2.CloseRequest(session_id=sid))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Step(reward_pb2.StepRequest(session_id=sid, action=_act("1")))
