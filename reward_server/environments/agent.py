@@ -25,7 +25,6 @@ import functools
 import itertools
 import json
 import logging
-import math
 import os
 import shlex
 import subprocess
@@ -37,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from rlmesh.reward_server.environments.agent_process import kill_episode
 from rlmesh.reward_server.environments.base import ScoreOutput
 from rlmesh.services.config import RewardSection, default
+from rlmesh.services.domain.scoring import as_finite
 from rlmesh.reward_server.function_workers import worker_env
 
 log = logging.getLogger(__name__)
@@ -301,15 +301,12 @@ def parse_answer(path: str, stdout: str) -> ScoreOutput:
         return ScoreOutput(error=f"agent_crashed: agent {path} gave no answer: its last line must be a number "
                                  'or {"reward": number, "components": {name: number}}')
     reward, components, turns = answer["reward"], answer.get("components") or {}, answer.get("turn_rewards") or []
-    ok = _finite(reward) and isinstance(components, dict) and all(_finite(v) for v in components.values()) \
-        and isinstance(turns, list) and all(_finite(v) for v in turns)
+    ok = as_finite(reward) is not None and isinstance(components, dict) \
+        and all(as_finite(v) is not None for v in components.values()) \
+        and isinstance(turns, list) and all(as_finite(v) is not None for v in turns)
     if not ok:
         return ScoreOutput(error=f"agent_bad_reward: agent {path} returned {answer['reward']!r} "
                                  f"(components {components!r}, turn_rewards {turns!r}); return a finite number or "
                                  "{'reward': number, 'components': {name: number}, 'turn_rewards': [number per call]}")
     return ScoreOutput(float(reward), {str(k): float(v) for k, v in components.items()},
                        turn_rewards=[float(v) for v in turns])
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

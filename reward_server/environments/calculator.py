@@ -22,11 +22,10 @@ whose result is the answer; their ratio over held-out episodes is the tool-call 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from rlmesh.services.domain.scoring import as_int, score_integer
+from rlmesh.services.domain.scoring import as_finite, as_int, score_integer
 from rlmesh.services.domain.tasks import ADD_TOOL, calculator_prompt
 from rlmesh.reward_server.environments.base import Message, ResetOutput, StepOutput, ToolSchema
 from rlmesh.reward_server.environments.tool_calls import MalformedToolCall, has_tool_call, parse_tool_calls
@@ -70,10 +69,10 @@ class CalculatorEnvironment:
         max_turns = as_int(metadata.get("max_turns", 4))
         if max_turns is None or max_turns < 1:
             raise ValueError(f"calculator: metadata.max_turns={metadata.get('max_turns')!r} must be an integer >= 1")
-        tool_call_reward = metadata.get("tool_call_reward", 0)
-        if isinstance(tool_call_reward, bool) or not isinstance(tool_call_reward, (int, float)) \
-                or not math.isfinite(tool_call_reward) or tool_call_reward < 0:
-            raise ValueError(f"calculator: metadata.tool_call_reward={tool_call_reward!r} must be a finite number >= 0")
+        tool_call_reward = as_finite(metadata.get("tool_call_reward", 0))
+        if tool_call_reward is None or tool_call_reward < 0:
+            raise ValueError(f"calculator: metadata.tool_call_reward={metadata.get('tool_call_reward')!r} must be a "
+                             "finite number >= 0")
         observation = []
         if not prompt:
             a, b = as_int(metadata.get("a")), as_int(metadata.get("b"))
@@ -81,7 +80,7 @@ class CalculatorEnvironment:
                 raise ValueError("calculator: an empty prompt needs integer metadata.a and metadata.b to state "
                                  "the task")
             observation = [{"role": "user", "content": calculator_prompt(a, b)}]
-        return ResetOutput(CalculatorState(answer, max_turns, float(tool_call_reward)), observation)
+        return ResetOutput(CalculatorState(answer, max_turns, tool_call_reward), observation)
 
     def step(self, state: CalculatorState, action: Message) -> StepOutput:
         if state.done:

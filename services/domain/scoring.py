@@ -3,10 +3,12 @@ MCP tool environment's default scorer, guess-the-number's guesses) read integers
 
 An answer is correct when it is, surrounding whitespace aside, exactly the expected integer ("7",
 " -3 "; not "7!", "7.0" or "the answer is 7"). `answer_in_text` is the diagnosis beside it: was the
-first integer anywhere in the answer the expected one, even when the format was not."""
+first integer anywhere in the answer the expected one, even when the format was not. Beside them, how
+numbers are read from metadata and answers (`as_int`, `as_finite`)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, NamedTuple
 
@@ -35,6 +37,14 @@ def as_int(value: Any) -> int | None:
         if match is not None:
             return int(match.group(1))
     return None
+
+
+def as_finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite number as JSON carries one (an int or a float, not a bool
+    and not a numeric string), else None: rewards and reward settings read from an answer or metadata."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def first_integer(text: str) -> int | None:
