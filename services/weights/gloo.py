@@ -11,7 +11,9 @@ written to the store. A rank that cannot is refused by all the others."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hmac
+import os
 import secrets
 import socket
 from collections.abc import Iterable, Iterator
@@ -66,12 +68,21 @@ class GlooSender:
     def __init__(self, cfg: WeightSyncSection) -> None:
         self.cfg = cfg
         bind = cfg.bind_address or cfg.master_address
-        self._socket = listen(bind, cfg.store_port)
-        host = self._socket.getsockname()[0]
+        sock = listen(bind, cfg.store_port)
+        host, port = sock.getsockname()[:2]
         # One master store for the learner's lifetime, on our socket; each group epoch has its own prefix.
-        self.store = dist.TCPStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, self._socket.getsockname()[1],
-                                   1, is_master=True, wait_for_workers=False, master_listen_fd=self._socket.fileno(),
-                                   timeout=timedelta(seconds=cfg.timeout_s))
+        # The store owns the descriptor from here (it closes it when it stops): the Python socket lets
+        # go of it, or collecting that object would close the number again, by then perhaps another
+        # store's listener or event loop.
+        fd = sock.detach()
+        try:
+            self.store = dist.TCPStore("127.0.0.1" if host in ("0.0.0.0", "::") else host, port, 1, is_master=True,
+                                       wait_for_workers=False, master_listen_fd=fd,
+                                       timeout=timedelta(seconds=cfg.timeout_s))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
         self.group: dist.ProcessGroup | None = None
         self._minted: dict[int, Rendezvous] = {}
 

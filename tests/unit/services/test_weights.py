@@ -104,6 +104,25 @@ def test_each_group_gets_a_fresh_random_prefix_and_secret():
     assert first.prefix.endswith("/epoch1") and len(first.secret) == 32 and first.nccl_unique_id == b""
 
 
+def test_a_gloo_senders_store_keeps_its_listener_after_the_sender_and_its_predecessors_are_collected():
+    """The store owns the listening descriptor: collecting a sender (or one made before) never closes
+    a number that a live store listens on (a double close once hung a group's rendezvous in CI)."""
+    import gc
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    for _ in range(3):
+        build_sender(WeightSyncSection(backend="gloo", timeout_s=5))  # made and dropped at once
+        gc.collect()
+        store = build_sender(WeightSyncSection(backend="gloo", timeout_s=5)).store  # the sender itself is dropped
+        gc.collect()
+        client = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=5))
+        client.set("reached", "yes")
+        assert store.get("reached") == b"yes"
+
+
 def test_gloo_receiver_turns_init_into_the_engine_payload_and_refuses_foreign_groups():
     receiver = build_receiver(WeightSyncSection(backend="gloo", timeout_s=5))
     info = receiver.init_info(_init_request())
