@@ -35,12 +35,9 @@ SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 POLICY = Policy({"RunAgent": frozenset({"rollout"})}, default=ANY)
 
 
-async def serve(config: RunConfig, port: int) -> None:
-    log = setup_logging("reward", config.logging.level, fmt=config.logging.format,
-                        trace_file=config.logging.trace_file,
-                        sample_ratio=config.logging.trace_sample_ratio)
-    token = load_token(config.network.token_file, config.network.token_env)
-    tls = TLSFiles.from_config(config.network, "reward")
+def build_service(config: RunConfig, token: str | None, tls: TLSFiles | None) -> RewardService:
+    """The reward service `config` describes, with its local environments (remote ones are
+    registered by `serve`, which needs the loop)."""
     section = config.reward
     service = RewardService(
         # A name declared remote is served by its remote server, never by the built-in of that name.
@@ -70,7 +67,7 @@ async def serve(config: RunConfig, port: int) -> None:
         service.add_local(name, AgentEnvironment(name, path, timeout_s=section.agent_timeout_s,
                                                  env=tuple(section.function_env),
                                                  ca_file=tls.ca if tls is not None else None,
-                                                 max_concurrency=section.env_max_concurrency))
+                                                 max_concurrency=section.agent_max_concurrency))
     if "math" not in section.remote:  # the built-in math environment, with its settings from reward.math
         service.add_local("math", MathEnvironment(**section.math.model_dump()))
     for name, env in section.openenv.items():
@@ -79,6 +76,17 @@ async def serve(config: RunConfig, port: int) -> None:
         from rlmesh.reward_server.environments.verifiers_env import make_environment
 
         service.add_local(name, make_environment(name, hub.env_id, hub.args, hub.timeout_s))
+    return service
+
+
+async def serve(config: RunConfig, port: int) -> None:
+    log = setup_logging("reward", config.logging.level, fmt=config.logging.format,
+                        trace_file=config.logging.trace_file,
+                        sample_ratio=config.logging.trace_sample_ratio)
+    token = load_token(config.network.token_file, config.network.token_env)
+    tls = TLSFiles.from_config(config.network, "reward")
+    service = build_service(config, token, tls)
+    section = config.reward
     for name, address in section.remote.items():
         await service.register_remote(name, address)
     server = await start_server(

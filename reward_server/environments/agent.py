@@ -140,7 +140,7 @@ class AgentEnvironment:
     kind = "agent"
 
     def __init__(self, name: str, path: str | list[str], *, timeout_s: float, env: tuple[str, ...] = (),
-                 max_concurrency: int = default(RewardSection, "env_max_concurrency"),
+                 max_concurrency: int = default(RewardSection, "agent_max_concurrency"),
                  ca_file: str | None = None) -> None:
         """`ca_file`: the CA an HTTPS endpoint's certificate is checked against, given to the agent as
         SSL_CERT_FILE (which the openai client's httpx reads)."""

@@ -153,12 +153,14 @@ class RewardSection(Section):
     """Agent environments: name -> `module:function(prompt, metadata)` returning the reward, or a command (a list: program and arguments) that reads the task as JSON on stdin and prints its reward last on stdout; the user's agent runs unchanged against its episode's OpenAI-compatible endpoint (OPENAI_BASE_URL / OPENAI_API_KEY) (docs/agents.md)."""
     agent_timeout_s: float = Field(300.0, gt=0)
     """Wall-clock limit of one agent episode's process; past it the process is killed and the episode ends `agent_timeout`."""
+    agent_max_concurrency: int = Field(64, ge=1)
+    """Episodes one agent environment runs at once (a function agent's each a process forked from its launcher, ~140 MiB resident here and most of it shared with the launcher; a command agent's each a process of its own); the rest wait for a slot, and the wait does not count toward agent_timeout_s. The policy serves an agent's conversations only as fast as they come: at 8 the rollout server's vLLM saw at most 8 sequences at once, and the agent demo's steps waited on generation."""
     score_timeout_s: float = Field(30.0, gt=0)
     """Deadline of one batched Score call: the rollout server waits this long, and the reward server answers within it (plus up to 1 s of scheduling on a loaded host) whatever its environments do, failing each item still unscored at 90% of it with an error (a hung reward function's worker is killed then, and replaced)."""
     env_timeout_s: float = Field(30.0, gt=0)
     """Deadline of one local environment call (a Score batch or item, a reset, a step); past it the item fails or the step returns DEADLINE_EXCEEDED."""
     env_max_concurrency: int = Field(8, ge=1)
-    """Calls one local environment runs at once; hung calls use up only these slots."""
+    """Calls one local environment runs at once; hung calls use up only these slots (agent episodes: agent_max_concurrency)."""
     function_workers: int = Field(2, ge=1)
     """Worker processes per user reward function (`functions`); a call that misses env_timeout_s kills its worker, which is replaced."""
     function_memory_mb: int = Field(4096, ge=64)

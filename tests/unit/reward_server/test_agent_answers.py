@@ -177,3 +177,40 @@ def test_a_launcher_that_dies_fails_its_episodes_by_name_and_the_next_episode_ge
         env.close()
     assert killed.error.startswith("agent_crashed: agent fatal_agent:agent: its launcher process exited with -9")
     assert (after.error, after.reward) == ("", 1.0)
+
+
+def test_the_reward_server_runs_reward_agent_max_concurrency_episodes_of_an_agent_at_once(tmp_path, monkeypatch):
+    """Twelve episodes that each wait for all twelve to have started: every one sees the others with
+    `reward.agent_max_concurrency: 12` on the server `rlmesh reward` builds (with 8 slots, as agents
+    once had from env_max_concurrency, the first eight wait out their deadline and score 0)."""
+    import asyncio
+
+    from rlmesh.reward_server.server import build_service
+    from rlmesh.services.config import RunConfig
+
+    started = tmp_path / "started"
+    started.mkdir()
+    (tmp_path / "gathering_agent.py").write_text(
+        "import os, time\n"
+        "def agent(prompt, metadata):\n"
+        f"    open(os.path.join({str(started)!r}, str(os.getpid())), 'w').close()\n"
+        "    deadline = time.monotonic() + 20\n"
+        f"    while len(os.listdir({str(started)!r})) < 12 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        f"    return {{'reward': float(len(os.listdir({str(started)!r})) >= 12)}}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = RunConfig.model_validate({"reward": {"agents": {"gathering": "gathering_agent:agent"},
+                                                  "agent_max_concurrency": 12}})
+    assert RunConfig().reward.agent_max_concurrency == 64  # the default: a rollout server's groups at once
+    env = build_service(config, token=None, tls=None).local["gathering"]
+
+    async def episodes():
+        return await asyncio.gather(*[env.run([{"role": "user", "content": "x"}], {}, "http://127.0.0.1:9/v1", "k")
+                                      for _ in range(12)])
+
+    try:
+        results = asyncio.run(episodes())
+    finally:
+        env.close()
+    assert [r.error for r in results] == [""] * 12
+    assert [r.reward for r in results] == [1.0] * 12
