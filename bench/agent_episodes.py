@@ -86,7 +86,7 @@ async def measure(path: str | list[str], episodes: int, concurrency: int) -> dic
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--episodes", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8, help="episodes running at once (reward.env_max_concurrency)")
+    p.add_argument("--concurrency", type=int, default=8, help="episodes running at once (reward.agent_max_concurrency)")
     args = p.parse_args()
     forked = asyncio.run(measure(AGENT, args.episodes, args.concurrency))
     fresh = asyncio.run(measure(FRESH, args.episodes, args.concurrency))
