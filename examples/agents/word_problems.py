@@ -12,6 +12,10 @@ from math_verify import parse, verify
 set_default_openai_api("chat_completions")  # the endpoint speaks chat completions
 set_tracing_disabled(True)  # send no traces anywhere
 
+# Warm math-verify at import: rlmesh imports this module once and forks every episode from there, so
+# the regexes and LaTeX-parser tables its first call builds are built once, not in every episode.
+verify(parse("$12$"), parse("$12$"))
+
 solver = Agent(name="solver")
 answerer = Agent(name="answerer", model_settings=ModelSettings(max_tokens=24))
 ASK = "What is the final answer? Reply with the number only."

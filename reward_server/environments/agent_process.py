@@ -19,6 +19,7 @@ client and the Agents SDK do when the client is made inside the function)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import os
@@ -49,6 +50,9 @@ def main() -> None:
     except BaseException as err:  # noqa: BLE001 - any failure to import is the launcher's answer
         send({"fatal": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}"})
         sys.exit(1)
+    # What the import made is moved out of the collector's reach: episodes forked from here neither
+    # scan it nor, by touching its objects' headers, copy the pages it sits on.
+    gc.freeze()
     send({"ready": True})
     children: dict[int, int] = {}  # pid -> episode id
     pending = b""
