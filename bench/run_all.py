@@ -70,12 +70,22 @@ def _rows_trl(r: dict) -> list[tuple]:
     what = f"time to {r['target']:.2f} held-out acc: rlmesh vs TRL GRPOTrainer ({trl['generation']} generation)"
     nan, goal = float("nan"), f">= {r.get('goal', 3):g}"
     if ours["time_to_target_s"] is None:
-        return [(what + "; rlmesh missed the target", nan, trl["time_to_target_s"] or nan, nan, goal, "s")]
+        return [(what + "; rlmesh missed the target", nan, trl["time_to_target_s"] or nan, nan, goal, "s"),
+                *_row_first_step(r)]
     if trl["time_to_target_s"] is None:
         bound = trl["final_step_time_s"]
         return [(what + "; TRL missed it within its cap (ratio is a lower bound)", ours["time_to_target_s"], bound,
-                 bound / ours["time_to_target_s"], goal, "s")]
-    return [(what, ours["time_to_target_s"], trl["time_to_target_s"], r["ratio"], goal, "s")]
+                 bound / ours["time_to_target_s"], goal, "s"), *_row_first_step(r)]
+    return [(what, ours["time_to_target_s"], trl["time_to_target_s"], r["ratio"], goal, "s"), *_row_first_step(r)]
+
+
+def _row_first_step(r: dict) -> list[tuple]:
+    """Launch to the first trained step, rlmesh's over TRL's (building its trainer and its first step)."""
+    ours, trl = r["rlmesh"].get("first_step"), r["trl"].get("first_step")
+    if not ours or not trl:
+        return []
+    return [("launch -> first trained step: rlmesh vs TRL (trainer built + first step)", ours["total_s"],
+             trl["total_s"], ours["total_s"] / trl["total_s"], "<= 0.5", "s")]
 
 
 def _rows_long(r: dict) -> list[tuple]:
@@ -111,7 +121,7 @@ def real_model_benches(dtype: str, seeds: list[int]) -> dict[str, tuple[str, lis
                                                       "--prompt-len", "64", "--completion-len", "128",
                                                       "--micro-batch-size", "8", "--steps", "4"], lambda r: [
             (f"row 2: learner step vs plain PyTorch loop (SmolLM2-135M, {dtype}, 8 x 8, 1 thread each)",
-             r["learner_1rank"]["tokens_per_s"], r["plain"]["tokens_per_s"], r["ratio_vs_plain"], ">= 0.9", "train tok/s"),
+             r["learner_1rank"]["tokens_per_s"], r["plain"]["tokens_per_s"], r["ratio_vs_plain"], ">= 0.95", "train tok/s"),
             (f"row 2: learner MFU ({r['learner_1rank']['flops_per_s'] / 1e9:.0f} of "
              f"{r['peak_flops_1thread'] / 1e9:.0f} GFLOP/s, one-thread {dtype} matmul peak); plain loop as baseline",
              r["learner_1rank"]["mfu"], r["plain"]["mfu"], r["learner_1rank"]["mfu"], "—", "fraction")]),
@@ -123,13 +133,13 @@ def real_model_benches(dtype: str, seeds: list[int]) -> dict[str, tuple[str, lis
                                             "--digests", "blake3", "--snapshot", "on"], lambda r: [
             row for v in r.values() for row in (
                 (f"row 4: weight update ({v['mib']:.0f} MiB {dtype}) vs raw gloo broadcast + vLLM's own reload",
-                 v["update_s"], v["raw_s"] + v["engine_reload_s"], v["engine_ratio"], "<= 1.3", "s"),
+                 v["update_s"], v["raw_s"] + v["engine_reload_s"], v["engine_ratio"], "<= 1.15", "s"),
                 (f"row 4: what the training step waits for (the snapshot) vs raw broadcast",
                  v["send_s"], v["raw_s"], v["send_ratio"], "<= 1.3", "s"))]),
     }
     for seed in seeds:
         benches[f"trl_vs_rlmesh_seed{seed}"] = ("trl_vs_rlmesh", [
-            "--config", DEMO, "--seed", str(seed), "--target", "0.30", "--goal", "2", "--trl-max-s", "850"],
+            "--config", DEMO, "--seed", str(seed), "--target", "0.30", "--goal", "3", "--trl-max-s", "850"],
             lambda r, seed=seed: [(f"row 1, seed {seed}: " + row[0], *row[1:]) for row in _rows_trl(r)])
     benches["placement"] = ("placement", ["--runs", "split:0,split:1,split:2,shared:0", "--seed", "0", "--steps", "6"],
                             _rows_placement)
@@ -145,13 +155,16 @@ def _rows_placement(r: dict) -> list[tuple]:
 
 
 def _row1_mean(rows: list[tuple]) -> list[tuple]:
-    """The mean over seeds of row 1's TRL / rlmesh (the issue's goal is on the mean)."""
-    ratios = [r[3] for r in rows if r[0].startswith("row 1, seed")]
-    if len(ratios) < 2:
-        return []
-    mean = sum(ratios) / len(ratios)
-    return [(f"row 1: mean of TRL / rlmesh over {len(ratios)} seeds", float("nan"), float("nan"), mean, ">= 2", "",
-             "trl_vs_rlmesh", 0.0)]
+    """The means over seeds of row 1's TRL / rlmesh (the issue's goal is on the mean) and of its
+    launch -> first trained step ratio."""
+    out = []
+    for key, what, goal in (("time to", "TRL / rlmesh, time to the target", ">= 3"),
+                            ("launch -> first", "rlmesh / TRL, launch -> first trained step", "<= 0.5")):
+        ratios = [r[3] for r in rows if r[0].startswith("row 1, seed") and key in r[0]]
+        if len(ratios) >= 2:
+            out.append((f"row 1: mean of {what}, over {len(ratios)} seeds", float("nan"), float("nan"),
+                        sum(ratios) / len(ratios), goal, "", "trl_vs_rlmesh", 0.0))
+    return out
 
 
 def main() -> None:

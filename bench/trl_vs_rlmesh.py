@@ -136,6 +136,12 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
                    for p in sorted((run_dir / "checkpoints").glob("step_*"))}
     first_step_start = train[0]["time"] - train[0]["step_s"] - t_launch
     loop_s = at[max(at)] - first_step_start
+    # Launch to the first trained step, in three parts: the mesh up (Valkey, services, vLLM loaded and
+    # registered), waiting for the first step's groups, and training them.
+    first_train = train[0]["time"] - train[0]["train_s"] - t_launch
+    first_step = {"total_s": at[min(at)], "parts": {"mesh up, vLLM loaded": first_step_start,
+                                                     "first groups generated": first_train - first_step_start,
+                                                     "first step trained": train[0]["train_s"]}}
     # Idle: the learner's loop time outside its training step and weight send; each rollout
     # server's time with no request in its engine (or paused for a weight update), from its busy
     # clock read at every step, over first to last step record.
@@ -145,7 +151,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     tokens = sum(r["num_tokens"] for r in train)
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     return {"process_s": t_end - t_launch, "first_step_start_s": first_step_start, "steps": len(train),
-            "param_dtype": resolved["learner"]["backend"]["param_dtype"],
+            "first_step": first_step, "param_dtype": resolved["learner"]["backend"]["param_dtype"],
             "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
             "generated_tokens": tokens, "tokens_per_s": tokens / loop_s,
             "mean_completion_tokens_by_step": [r["num_tokens"] / max(r["num_samples"], 1) for r in train],
@@ -174,6 +180,10 @@ def run_trl(work: Path, warm: Path, generation: str, max_s: float, config_path: 
     t_end = time.time()
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     at = {s["step"]: s["t"] for s in steps}
+    first_gen = steps[0].get("generation_s", float("nan"))
+    first_step = {"total_s": at[min(at)], "parts": {"trainer built (model, tokenizer, data)": meta["train_start_s"],
+                                                     "first groups generated": first_gen,
+                                                     "first step trained": at[min(at)] - meta["train_start_s"] - first_gen}}
     checkpoints = {int(p.name.removeprefix("step_")): p for p in sorted(out.glob("step_*"))}
     meta = json.loads((out / "meta.json").read_text())
     loop_s = at[max(at)] - meta["train_start_s"]
@@ -181,6 +191,7 @@ def run_trl(work: Path, warm: Path, generation: str, max_s: float, config_path: 
     # One process alternates: while it generates (and scores) nothing trains, and the reverse.
     gen = meta["generation_s"] / loop_s
     return {"process_s": t_end - t_launch, "first_step_start_s": meta["train_start_s"], "steps": len(steps),
+            "first_step": first_step,
             "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
             "generated_tokens": tokens, "tokens_per_s": tokens / loop_s, "completion_lengths": meta["completion_lengths"],
             "learner_idle_frac": min(gen, 1.0), "rollout_idle_frac": {"trl": max(0.0, 1 - gen)},
@@ -252,7 +263,7 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
 
         def on_step_end(self, args, st, control, model=None, **kw):
             t = time.time() - t_launch - state["excluded"]
-            steps_file.write(json.dumps({"step": st.global_step, "t": t}) + "\n")
+            steps_file.write(json.dumps({"step": st.global_step, "t": t, "generation_s": state["generation"]}) + "\n")
             steps_file.flush()
             if st.global_step % every == 0:
                 t0 = time.time()
@@ -347,6 +358,12 @@ def report(result: dict[str, Any], names: list[str], target: float) -> None:
               f"{'the same accuracies' if same else 'DIFFERENT: ' + str(own)}")
     if "rlmesh" not in result or "trl" not in result:
         return
+    ours, theirs = result["rlmesh"]["first_step"], result["trl"]["first_step"]
+    result["first_step_ratio"] = ours["total_s"] / theirs["total_s"]
+    for name, f in (("rlmesh", ours), ("TRL", theirs)):
+        print(f"{name}: launch -> first trained step {f['total_s']:.1f}s ("
+              + ", ".join(f"{k} {v:.1f}s" for k, v in f["parts"].items()) + ")")
+    print(f"launch -> first trained step, rlmesh / TRL: {result['first_step_ratio']:.2f}   (target <= 0.5)")
     a, b = result["rlmesh"]["time_to_target_s"], result["trl"]["time_to_target_s"]
     if a is None:
         print(f"rlmesh did not reach {target:.2f}; no ratio")

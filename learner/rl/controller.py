@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlmesh.learner.rl.admission import Admission, staleness
-from rlmesh.learner.rl.evaluator import Evaluator, episode_stats
+from rlmesh.learner.rl.evaluator import Evaluator, Round, episode_stats
 from rlmesh.learner.rl.issuer import PromptIssuer
 from rlmesh.learner.rl.membership import Membership
 from rlmesh.learner.rl.stop import stop_requested, wait_until_seen
@@ -246,9 +246,7 @@ class Controller:
     async def train(self) -> dict:
         cfg = self.config
         await self.wait_for_generators()
-        # The first evaluation runs beside the first step's generation (its prompts go out first);
-        # the first weight update waits for its last answer, so every one comes from this version.
-        first = await self.evaluator.start(self.version) if cfg.learner.eval_overlap else None
+        first = await self._start_first_evaluation() if cfg.learner.eval_overlap else None
         before = None if first is not None else await self.evaluate()
         ready: Arrivals = []
         t_last = time.monotonic()
@@ -314,6 +312,16 @@ class Controller:
         checkpoint = await self._checkpoint()
         # Groups still in flight when training ends were never trained on; leave them pending.
         return await self._summary(before, after, checkpoint)
+
+    async def _start_first_evaluation(self) -> Round:
+        """The first evaluation, run beside the first step's generation; the first weight update waits
+        for its last answer, so every one comes from this version. The first step's prompts go out
+        before the evaluation's: a rollout server claims groups in stream order, up to
+        rollout.max_concurrent_groups, so an evaluation issued first (the demo's 64 one-sample groups)
+        took every slot and the first step's groups waited behind it, with the learner idle."""
+        if not self.held_back:  # after a resume, what is held back counts against the bound first (_fill)
+            await self.issuer.issue_train(0, self.version)
+        return await self.evaluator.start(self.version)
 
     async def _timed_step(self, seqs, lr: float) -> tuple[dict, float]:
         """One optimizer step on the torch thread; its metrics and when it ended."""

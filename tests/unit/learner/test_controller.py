@@ -78,3 +78,44 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
     out = await controller._fill(list(ready))
     assert sorted(g.group_id for _, g in out) == [f"g{i}" for i in range(9)]
     assert controller.held_back == [] and trajectories.acked == ["e9"]
+
+
+async def test_the_first_steps_prompts_go_out_before_the_first_evaluations(tmp_path):
+    """A rollout server claims prompt groups in stream order up to rollout.max_concurrent_groups: with
+    the evaluation's groups first (64 in the demo, its default slot count) the first step's waited
+    behind every one of them, the learner idle. After a resume (groups held back) nothing is issued
+    ahead: those count against the bound first."""
+    from rlmesh.learner.data.examples import Example
+    from rlmesh.learner.rl.evaluator import Evaluator
+    from rlmesh.learner.rl.issuer import PromptIssuer
+
+    class Stream:  # the prompt stream, in the order groups were published
+        def __init__(self):
+            self.keys = []
+
+        async def publish(self, key, data):
+            self.keys.append(key)
+
+        async def publish_many(self, records):
+            self.keys.extend(key for key, _ in records)
+
+    class Log:
+        def write(self, record):
+            pass
+
+    def examples(split, n):
+        return [Example(id=f"{split}{i}", messages=[{"role": "user", "content": "2+2"}], env="math",
+                        metadata={"answer": "4"}) for i in range(n)]
+
+    config = load_config(None, ["model.type=hf", "model.path=unused", "algorithm.max_staleness=1",
+                                "learner.groups_per_step=3"])
+    for held_back, want_train_first in (([], 6), ([("entry", "group")], 0)):
+        stream = Stream()
+        issuer = PromptIssuer(stream, "run", examples("t", 20), group_size=4, groups_per_step=3, max_staleness=1)
+        evaluator = Evaluator(examples("e", 5), issuer, Stream(), metrics=Log(), check=lambda group, version: "")
+        controller = Controller(config, tmp_path, components(run_id="run", issuer=issuer, evaluator=evaluator))
+        controller.held_back = list(held_back)
+        await controller._start_first_evaluation()
+        splits = [key.split("/")[1] for key in stream.keys]
+        assert splits == ["train"] * want_train_first + ["eval"] * 5
+        assert issuer.ledger.in_flight == want_train_first  # (k + 1) * B, the bound
