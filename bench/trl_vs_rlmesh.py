@@ -13,8 +13,9 @@ The pieces take the config as a parameter (`--config`; the environment named by 
 scores both sides): bench/long_generation.py runs them on the reasoning task.
 
 Run: python bench/trl_vs_rlmesh.py [--config C] [--seed N] [--target 0.9] [--goal 3] [--trl-generation hf]
-       [--trl-max-s 480] [--evaluator vllm|hf] [--json OUT]
-(seeds interleaved: one invocation per seed, each running rlmesh then TRL)
+       [--trl-max-s 480] [--evaluator vllm|hf] [--json OUT] [--work DIR [--again]]
+(seeds interleaved: one invocation per seed, each running rlmesh then TRL; `--again` reads and scores the
+finished runs in --work DIR without launching anything)
 Needs the bench extra (`make bench-setup`: trl, accelerate, datasets)."""
 
 from __future__ import annotations
@@ -114,8 +115,6 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     """`rlmesh up` on `config_path`, its model replaced by the shared warm start; files under work/name."""
     import yaml
 
-    from rlmesh.learner.trackers.metrics import read_metrics
-
     raw = yaml.safe_load(config_path.read_text())
     raw["model"] = {"type": "hf", "path": str(warm)}
     raw["sft"] = {**raw.get("sft", {}), "num_steps": 0}
@@ -124,11 +123,22 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     cfg_path = work / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     run_dir = work / name
-    t_launch = time.time()
+    t_launch = time.time()  # the config's write time stands for it when a work directory is read again
     with open(work / f"{name}.log", "w") as log:
         subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
                         "logging.progress=false", *overrides], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
-    t_end = time.time()
+    return {**read_rlmesh(work, name, t_launch), "process_s": time.time() - t_launch}
+
+
+def read_rlmesh(work: Path, name: str = "rlmesh", t_launch: float | None = None) -> dict[str, Any]:
+    """A finished `rlmesh up` run under work/name; times are seconds since `t_launch` (default: when
+    its config file was written, just before the launch)."""
+    import yaml
+
+    from rlmesh.learner.trackers.metrics import read_metrics
+
+    run_dir = work / name
+    t_launch = (work / f"{name}.yaml").stat().st_mtime if t_launch is None else t_launch
     rows = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     at = {r["version"]: r["time"] - t_launch for r in train}
@@ -150,7 +160,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     span = train[-1]["time"] - train[0]["time"]
     tokens = sum(r["num_tokens"] for r in train)
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
-    return {"process_s": t_end - t_launch, "first_step_start_s": first_step_start, "steps": len(train),
+    return {"first_step_start_s": first_step_start, "steps": len(train),
             "first_step": first_step, "param_dtype": resolved["learner"]["backend"]["param_dtype"],
             "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
             "generated_tokens": tokens, "tokens_per_s": tokens / loop_s,
@@ -177,21 +187,25 @@ def run_trl(work: Path, warm: Path, generation: str, max_s: float, config_path: 
                         "--trl-generation", generation, "--trl-max-s", str(max_s), "--t-launch", repr(t_launch),
                         "--config", str(config_path), *(f"--trl-set={o}" for o in config_overrides)],
                        check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
-    t_end = time.time()
+    return {**read_trl(work, generation), "process_s": time.time() - t_launch}
+
+
+def read_trl(work: Path, generation: str) -> dict[str, Any]:
+    """A finished TRL run under work/trl (its times were written as seconds since its launch)."""
+    out = work / "trl"
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     at = {s["step"]: s["t"] for s in steps}
+    checkpoints = {int(p.name.removeprefix("step_")): p for p in sorted(out.glob("step_*"))}
+    meta = json.loads((out / "meta.json").read_text())
     first_gen = steps[0].get("generation_s", float("nan"))
     first_step = {"total_s": at[min(at)], "parts": {"trainer built (model, tokenizer, data)": meta["train_start_s"],
                                                      "first groups generated": first_gen,
                                                      "first step trained": at[min(at)] - meta["train_start_s"] - first_gen}}
-    checkpoints = {int(p.name.removeprefix("step_")): p for p in sorted(out.glob("step_*"))}
-    meta = json.loads((out / "meta.json").read_text())
     loop_s = at[max(at)] - meta["train_start_s"]
     tokens = sum(meta["completion_lengths"])
     # One process alternates: while it generates (and scores) nothing trains, and the reverse.
     gen = meta["generation_s"] / loop_s
-    return {"process_s": t_end - t_launch, "first_step_start_s": meta["train_start_s"], "steps": len(steps),
-            "first_step": first_step,
+    return {"first_step_start_s": meta["train_start_s"], "steps": len(steps), "first_step": first_step,
             "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
             "generated_tokens": tokens, "tokens_per_s": tokens / loop_s, "completion_lengths": meta["completion_lengths"],
             "learner_idle_frac": min(gen, 1.0), "rollout_idle_frac": {"trl": max(0.0, 1 - gen)},
@@ -396,6 +410,9 @@ def main() -> None:
     p.add_argument("--only", choices=["rlmesh", "trl"], help="run one side only (for trying settings)")
     p.add_argument("--work", help="working directory (default: a new temporary one)")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--again", action="store_true",
+                   help="launch nothing: read the finished runs in --work again and score them (e.g. after a "
+                        "crash while reading or scoring them)")
     p.add_argument("overrides", nargs="*", help="extra rlmesh overrides (e.g. learner.torch_threads=2)")
     p.add_argument("--trl-worker", nargs=2, metavar=("WARM", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--t-launch", type=float, help=argparse.SUPPRESS)
@@ -433,10 +450,16 @@ def main() -> None:
     check_same_prompts(warm, eval_set)
 
     sides: dict[str, dict] = {}
-    if args.only != "trl":
+    if args.again:
+        if not args.work:
+            raise SystemExit("--again reads the runs of a finished comparison: give its --work directory")
+        sides = {name: read(work) for name, read in (("rlmesh", read_rlmesh),
+                                                     ("trl", lambda w: read_trl(w, args.trl_generation)))
+                 if args.only in (None, name) and (work / name).is_dir()}
+    elif args.only != "trl":
         print("rlmesh: rlmesh up (demo config, warm start shared)", flush=True)
         sides["rlmesh"] = run_rlmesh(work, warm, [*seeded, *args.overrides], args.config)
-    if args.only != "rlmesh":
+    if args.only != "rlmesh" and not args.again:
         print(f"TRL: GRPOTrainer, generation={args.trl_generation}", flush=True)
         sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s, args.config, seeded)
 
