@@ -196,12 +196,17 @@ def read_trl(work: Path, generation: str) -> dict[str, Any]:
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     at = {s["step"]: s["t"] for s in steps}
     checkpoints = {int(p.name.removeprefix("step_")): p for p in sorted(out.glob("step_*"))}
-    meta = json.loads((out / "meta.json").read_text())
+    # meta.json is written as the run ends: a run killed before (e.g. by the kernel's OOM killer) has
+    # its steps and checkpoints only.
+    meta_file = out / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {
+        "train_start_s": float("nan"), "excluded_s": float("nan"), "stopped_by_cap": False, "killed": True,
+        "generation_s": steps[-1].get("generation_s", float("nan")), "completion_lengths": []}
     first_gen = steps[0].get("generation_s", float("nan"))
     first_step = {"total_s": at[min(at)], "parts": {"trainer built (model, tokenizer, data)": meta["train_start_s"],
                                                      "first groups generated": first_gen,
                                                      "first step trained": at[min(at)] - meta["train_start_s"] - first_gen}}
-    loop_s = at[max(at)] - meta["train_start_s"]
+    loop_s = at[max(at)] - (0.0 if meta.get("killed") else meta["train_start_s"])
     tokens = sum(meta["completion_lengths"])
     # One process alternates: while it generates (and scores) nothing trains, and the reverse.
     gen = meta["generation_s"] / loop_s
@@ -209,7 +214,8 @@ def read_trl(work: Path, generation: str) -> dict[str, Any]:
             "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
             "generated_tokens": tokens, "tokens_per_s": tokens / loop_s, "completion_lengths": meta["completion_lengths"],
             "learner_idle_frac": min(gen, 1.0), "rollout_idle_frac": {"trl": max(0.0, 1 - gen)},
-            "excluded_s": meta["excluded_s"], "generation": generation, "stopped_by_cap": meta["stopped_by_cap"]}
+            "excluded_s": meta["excluded_s"], "generation": generation, "stopped_by_cap": meta["stopped_by_cap"],
+            "killed_before_its_end": bool(meta.get("killed"))}
 
 
 def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: float, config_path: Path = DEMO,
