@@ -70,13 +70,14 @@ def _rows_trl(r: dict) -> list[tuple]:
     what = f"time to {r['target']:.2f} held-out acc: rlmesh vs TRL GRPOTrainer ({trl['generation']} generation)"
     nan, goal = float("nan"), f">= {r.get('goal', 3):g}"
     if ours["time_to_target_s"] is None:
-        return [(what + "; rlmesh missed the target", nan, trl["time_to_target_s"] or nan, nan, goal, "s"),
-                *_row_first_step(r)]
-    if trl["time_to_target_s"] is None:
+        row = (what + "; rlmesh missed the target", nan, trl["time_to_target_s"] or nan, nan, goal, "s")
+    elif trl["time_to_target_s"] is None:
         bound = trl["final_step_time_s"]
-        return [(what + "; TRL missed it within its cap (ratio is a lower bound)", ours["time_to_target_s"], bound,
-                 bound / ours["time_to_target_s"], goal, "s"), *_row_first_step(r)]
-    return [(what, ours["time_to_target_s"], trl["time_to_target_s"], r["ratio"], goal, "s"), *_row_first_step(r)]
+        row = (what + "; TRL missed it within its cap (ratio is a lower bound)", ours["time_to_target_s"], bound,
+               bound / ours["time_to_target_s"], goal, "s")
+    else:
+        row = (what, ours["time_to_target_s"], trl["time_to_target_s"], r["ratio"], goal, "s")
+    return [row, *_row_first_step(r)]
 
 
 def _row_first_step(r: dict) -> list[tuple]:
