@@ -98,6 +98,10 @@ class Controller:
         # The prompt top-up after a broadcast, running beside what follows (the next step's training);
         # awaited before anything else issues, checkpoints or evaluates.
         self.issuing: asyncio.Future | None = None
+        # learner.train_on_arrival (`Trainer.streams`): the next step's groups already sent to the torch
+        # thread to train (in admission order), and those calls; the optimizer step (`Trainer.finish`) follows them.
+        self.parts: Arrivals = []
+        self.part_calls: list[asyncio.Future] = []
 
     async def _topped_up(self) -> None:
         """Wait for the background prompt top-up, if any (before issuing more: its budget is fixed)."""
@@ -226,12 +230,28 @@ class Controller:
                     await self.evaluator.offer(e, g, self.version)  # a round running beside training, or a stray
                 elif await self.admission.accept(e, g, self.version):
                     ready.append((e, g))
+            self._train_arrived(ready)
             if len(ready) >= self.B:
                 return ready
             await self._topped_up()  # not the update's completion: a server generates once it holds the version
             await self._reissue_malformed()
             await self.issuer.issue_train(len(ready), self.version)
             arrivals = await self._read(self.version)
+
+    def _train_arrived(self, ready: Arrivals) -> None:
+        """learner.train_on_arrival: send the step's groups admitted since the last call (up to
+        groups_per_step in all) to the torch thread to train now, beside the generation of the rest;
+        the calls queue there in order, and the step's optimizer step after them."""
+        if not self.trainer.streams:
+            return
+        for call in self.part_calls:  # a part that failed stops the run now, not once the batch is in
+            if call.done() and call.exception() is not None:
+                raise call.exception()
+        new = ready[len(self.parts) : self.B]
+        if new:
+            self.parts.extend(new)
+            seqs = self.trainer.objective.sequences([g for _, g in new])
+            self.part_calls.append(asyncio.ensure_future(self._torch(self.trainer.accumulate, seqs)))
 
     async def _reissue_malformed(self) -> None:
         """Issue again, under a fresh id, each train group whose copies all came back malformed for
@@ -260,15 +280,15 @@ class Controller:
             if (reason := stop_requested(self.run_dir)) is not None:
                 log.info("stop requested (%s): ending the run at version %d", reason, self.version)
                 break
-            # Oldest first: leftovers are the freshest groups, so fewer of them age past the bound.
-            ready.sort(key=lambda eg: staleness(eg[1], self.version), reverse=True)
-            batch, ready = ready[: self.B], ready[self.B :]
+            if not self.trainer.streams:
+                # Oldest first: leftovers are the freshest groups, so fewer of them age past the bound.
+                ready.sort(key=lambda eg: staleness(eg[1], self.version), reverse=True)
+            batch, ready = ready[: self.B], ready[self.B :]  # streaming: the groups already training, in order
             groups = [g for _, g in batch]
             ages = [staleness(g, self.version) for g in groups]
             self.max_staleness_seen = max(self.max_staleness_seen, max(ages))
             t_step = time.monotonic()
-            seqs = self.trainer.objective.sequences(groups)
-            step = asyncio.ensure_future(self._timed_step(seqs, learning_rate(cfg.learner, self.version)))
+            step = asyncio.ensure_future(self._timed_step(groups, learning_rate(cfg.learner, self.version)))
             # While the torch thread trains, the event loop decodes and validates what arrives (and
             # the prompt top-up started after the last broadcast runs): off the step's critical path.
             await self.reader.admit_during(step, self.version, ready, self.held_back, refill=self._refill)
@@ -323,9 +343,15 @@ class Controller:
             await self.issuer.issue_train(0, self.version)
         return await self.evaluator.start(self.version)
 
-    async def _timed_step(self, seqs, lr: float) -> tuple[dict, float]:
-        """One optimizer step on the torch thread; its metrics and when it ended."""
-        metrics = await self._torch(self.trainer.step, seqs, lr)
+    async def _timed_step(self, groups: list[common_pb2.TrajectoryGroup], lr: float) -> tuple[dict, float]:
+        """One optimizer step on the torch thread (over the parts trained as they arrived, where the
+        learner streams); its metrics and when it ended."""
+        if self.trainer.streams:
+            calls, self.parts, self.part_calls = self.part_calls, [], []
+            await asyncio.gather(*calls)
+            metrics = await self._torch(self.trainer.finish, lr)
+        else:
+            metrics = await self._torch(self.trainer.step, self.trainer.objective.sequences(groups), lr)
         return metrics, time.monotonic()
 
     def _log_step(self, groups, ages, train_metrics, bc, train_s, t_last) -> None:

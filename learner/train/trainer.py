@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,8 @@ import torch
 
 from rlmesh.learner.train.backends import build_backend
 from rlmesh.learner.train.distributed import CommandChannel, init_distributed
-from rlmesh.learner.train.objectives.base import Objective, run_step
+from rlmesh.learner.train.backends.base import Accumulated
+from rlmesh.learner.train.objectives.base import Objective, accumulate_part, run_step
 from rlmesh.learner.train.objectives.grpo import GRPOObjective
 from rlmesh.services.affinity import pin_to_cores
 from rlmesh.services.precision import resolve_precision
@@ -56,12 +58,38 @@ class Trainer:
         # A tied output layer is the embedding matrix under a second name: sent once, as the embedding
         # (vLLM ties them as the model does, and skips lm_head.weight when it loads a tied model).
         self.not_sent = frozenset({"lm_head.weight"} if tied_output_layer(model_path) else ())
+        # A step trained in parts (`accumulate` as its groups arrive, then `finish`): what it holds so far.
+        self._part: Accumulated | None = None
+        self._part_seqs: list[Sequence] = []
+        self._part_s = 0.0
+
+    @property
+    def streams(self) -> bool:
+        """Whether a step can be trained group by group as its data arrives (learner.train_on_arrival):
+        a backend whose gradient accumulates across calls (fsdp2), and a GRPO-family loss whose
+        penalty does not reshape advantages across the whole step (algorithm.kl.where=reward does)."""
+        return (self.config.learner.train_on_arrival and self.backend.streams
+                and isinstance(self.objective, GRPOObjective) and not self.objective.kl_in_reward)
 
     # --- rank 0: announce, then run the same collective here --------------------------------------
 
     def step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
+        assert self._part is None, "a step trained in parts is open: finish it first"
         self.channel.announce("step", (seqs, lr))
         return self._step(seqs, lr)
+
+    def accumulate(self, seqs: list[Sequence]) -> None:
+        """Forward and backward over part of the next step's batch (`streams`); the optimizer step
+        waits for `finish`. The weights stay those the step started from until then."""
+        assert self.streams, "this step cannot be trained in parts (see Trainer.streams): call step"
+        self.channel.announce("accumulate", seqs)
+        self._accumulate(seqs)
+
+    def finish(self, lr: float) -> dict[str, float]:
+        """The optimizer step over every part accumulated since the last one (the gradient divided by
+        the whole step's normaliser, as `step` over the same sequences would)."""
+        self.channel.announce("finish", lr)
+        return self._finish(lr)
 
     def weight_metas(self) -> list[TensorMeta]:
         metas = [m for m in self.backend.weight_metas() if m.name not in self.not_sent]
@@ -102,6 +130,29 @@ class Trainer:
                         max_tokens_per_micro_batch=self.config.learner.max_tokens_per_micro_batch,
                         shared_prompt_row_tokens=self.config.learner.shared_prompt_row_tokens)
 
+    def _accumulate(self, seqs: list[Sequence]) -> None:
+        t0 = time.monotonic()
+        if self._part is None:
+            self.backend.zero_grad()
+            self._part, self._part_seqs, self._part_s = Accumulated(), [], 0.0
+        cfg = self.config.learner
+        accumulate_part(self.backend, self.objective, seqs, self._part, micro_batch_size=cfg.micro_batch_size,
+                        pad_id=self.pad_id, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                        shared_prompt_row_tokens=cfg.shared_prompt_row_tokens)
+        self._part_seqs.extend(seqs)
+        self._part_s += time.monotonic() - t0
+
+    def _finish(self, lr: float) -> dict[str, float]:
+        assert self._part is not None and isinstance(self.objective, GRPOObjective), "finish without accumulate"
+        part, seqs, part_s = self._part, self._part_seqs, self._part_s
+        self._part, self._part_seqs = None, []
+        t0 = time.monotonic()
+        self.backend.set_lr(lr)
+        metrics = self.backend.finish(part, self.objective.part_scale(seqs))
+        # Seconds of forward and backward over the step's parts (all but the last beside generation),
+        # and of the optimizer step after them: the step's training seconds are their sum.
+        return {**metrics, "lr": lr, "accumulated_s": part_s, "optimizer_s": time.monotonic() - t0}
+
     def _save(self, path: str) -> None:
         self.backend.save_checkpoint(Path(path) / "dcp")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -138,6 +189,10 @@ class Trainer:
                 return
             if command == "step":
                 self._step(*payload)
+            elif command == "accumulate":
+                self._accumulate(payload)
+            elif command == "finish":
+                self._finish(payload)
             elif command == "weights":
                 for _ in self.backend.full_weights():
                     pass

@@ -2,7 +2,7 @@
 the baseline's fixed batch, optional checkpoint load/save, a weight fingerprint), other ranks follow.
 
     torchrun --nproc-per-node N learner_rank_job.py MODEL_DIR OUT_JSON [--load CKPT_DIR] [--save CHECKPOINTS_ROOT]
-        [--steps-before-save K] [--steps N] [--override KEY=VALUE ...]
+        [--steps-before-save K] [--steps N] [--parts P] [--override KEY=VALUE ...]
 
 `job_parser`, `drive` and `torchrun` are shared with megatron_rank_job.py and the tests."""
 
@@ -31,6 +31,8 @@ def job_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--steps-before-save", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int, default=12)
+    p.add_argument("--parts", type=int, default=0,
+                   help="train each step in this many parts of the batch's groups (accumulate, finish); 0: at once")
     p.add_argument("--override", action="append", default=[], help="a config override (repeatable)")
     return p
 
@@ -43,7 +45,8 @@ def drive(trainer, args: argparse.Namespace, after_step: Callable[[int], None] |
         return None
     if args.load:
         trainer.load(Path(args.load))
-    seqs = trainer.objective.sequences(fixed_groups())
+    groups = fixed_groups()
+    seqs = trainer.objective.sequences(groups)
     losses, metrics, saved = [], [], None
     for i in range(args.steps):
         if args.save and i == args.steps_before_save:
@@ -52,7 +55,13 @@ def drive(trainer, args: argparse.Namespace, after_step: Callable[[int], None] |
             save_checkpoint(Path(args.save), i, trainer, args.model_dir, {"trained_groups": []}, keep_last=1,
                             hf_model=False)
             saved = fingerprint(trainer.stream_weights())
-        m = trainer.step(seqs, 1e-3)
+        if args.parts:
+            for k in range(args.parts):  # unequal parts where the groups do not divide evenly
+                trainer.accumulate(trainer.objective.sequences(groups[k * len(groups) // args.parts:
+                                                                     (k + 1) * len(groups) // args.parts]))
+            m = trainer.finish(1e-3)
+        else:
+            m = trainer.step(seqs, 1e-3)
         losses.append(m["loss"])
         metrics.append(m)
         if after_step is not None:

@@ -33,3 +33,17 @@ def test_ranks_step_like_one(tiny_model_dir, tmp_path, overrides):
                 [m["kl_ref"] for m in one["metrics"]], rel=1e-4, abs=1e-7)
         assert_same_weights(one["weights"], many["weights"])
     assert one["metrics"][-1]["kl_ref"] != 0
+
+
+def test_ranks_training_in_parts_step_like_one_at_once(tiny_model_dir, tmp_path):
+    """learner.train_on_arrival on 2 ranks (and 3, under the token budget, micro-batch counts uneven
+    per part): each step accumulated over parts of its groups as they would arrive, then one optimizer
+    step, updates the weights as one rank stepping on the whole batch at once."""
+    flags = ["--override=learner.max_tokens_per_micro_batch=40"]
+    one = run_job("learner_rank_job.py", 1, str(tiny_model_dir), str(tmp_path / "one.json"), *flags)
+    for nproc in (2, 3):
+        many = run_job("learner_rank_job.py", nproc, str(tiny_model_dir), str(tmp_path / f"{nproc}.json"), *flags,
+                       "--parts=3")
+        assert many["world_size"] == nproc
+        assert many["loss"] == pytest.approx(one["loss"], abs=1e-5)
+        assert_same_weights(many["weights"], one["weights"])

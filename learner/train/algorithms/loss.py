@@ -38,6 +38,16 @@ class LossConfig:
     """Add kl_coef * estimator(pi_theta, pi_ref) to each token's loss (needs micro.ref_logprobs_BT)."""
 
 
+def step_normaliser(cfg: LossConfig, num_seqs: float, num_loss_tokens: float) -> float:
+    """What a step's summed loss is divided by: its loss tokens (DAPO), max_tokens per sequence
+    (Dr. GRPO), or its sequences (each one's loss already a mean over its tokens)."""
+    if cfg.algorithm == "dapo":
+        return num_loss_tokens
+    if cfg.algorithm == "dr_grpo":
+        return cfg.max_tokens * num_seqs
+    return num_seqs
+
+
 def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     mask_BT = micro.loss_mask_BT
     old_BT = micro.old_logprobs_BT
@@ -66,12 +76,11 @@ def policy_loss(logprobs_BT: torch.Tensor, micro: MicroBatch, cfg: LossConfig) -
         per_token_BT = per_token_BT + cfg.kl_coef * kl_BT * mask_BT
 
     # Normalisers span the whole step so micro-batch splits do not change the gradient.
-    if cfg.algorithm in ("dapo",):
-        loss = per_token_BT.sum() / micro.num_loss_tokens_in_step
-    elif cfg.algorithm == "dr_grpo":
-        loss = per_token_BT.sum() / (cfg.max_tokens * micro.num_seqs_in_step)
+    if cfg.algorithm in ("dapo", "dr_grpo"):
+        summed = per_token_BT.sum()
     else:  # grpo, gspo, rloo: mean over each sequence's tokens, then over sequences
-        loss = (per_token_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).sum() / micro.num_seqs_in_step
+        summed = (per_token_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).sum()
+    loss = summed / step_normaliser(cfg, micro.num_seqs_in_step, micro.num_loss_tokens_in_step)
 
     with torch.no_grad():
         n = mask_BT.sum().clamp(min=1)

@@ -4,6 +4,7 @@ next) through these calls, on every rank, from one torch thread per process."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,6 +16,24 @@ if TYPE_CHECKING:
 
 # loss_fn(logprobs_BT, micro) -> (loss scalar, metrics); logprobs are of input_ids[:, 1:].
 LossFn = Callable[["torch.Tensor", "MicroBatch"], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+@dataclass
+class Accumulated:
+    """What a step's forward and backward passes so far returned on this rank (`accumulate`)."""
+
+    num_real: float = 0.0
+    """Real (non-padding) micro-batches."""
+    loss_sum: float = 0.0
+    sums: dict[str, float] = field(default_factory=dict)
+    """The loss function's metrics summed over real micro-batches."""
+
+    def add(self, is_padding: bool, loss: float, metrics: dict[str, float]) -> None:
+        real = 0.0 if is_padding else 1.0
+        self.num_real += real
+        self.loss_sum += loss
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + real * v
 
 
 class TrainingBackend(Protocol):
@@ -36,6 +55,22 @@ class TrainingBackend(Protocol):
         ranks), so the update equals a single-rank step over every rank's micro-batches; clip, step
         the optimizer. Returns metrics reduced over all ranks: `loss` (summed), `grad_norm`, and
         the loss function's metrics averaged over real (non-padding) micro-batches."""
+
+    streams: bool
+    """Whether a step can be trained in parts as its data arrives: `zero_grad`, then `accumulate`
+    once per part, then `finish` (False: `train_step` only)."""
+
+    def zero_grad(self) -> None:
+        """Start a step trained in parts: no gradient held."""
+
+    def accumulate(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float,
+                   into: Accumulated | None = None) -> Accumulated:
+        """Forward and backward over this rank's `micros`, the gradient added to what the step holds
+        (every rank runs the same number of micro-batches per call); the losses and metrics added to `into`."""
+
+    def finish(self, acc: Accumulated, scale: float) -> dict[str, float]:
+        """Multiply the step's gradient and loss by `scale` (its normaliser, where the parts were
+        trained without it), clip, step the optimizer; metrics as `train_step` returns them."""
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next steps."""

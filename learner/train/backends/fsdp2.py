@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from rlmesh.learner.train import freeze as frozen
 from rlmesh.learner.train import lora as adapters
-from rlmesh.learner.train.backends.base import LossFn
+from rlmesh.learner.train.backends.base import Accumulated, LossFn
 from rlmesh.learner.train.batch import MicroBatch
 from rlmesh.learner.train.distributed import init_distributed
 from rlmesh.services.weights.lora import is_adapter, stored_name, write_adapter
@@ -37,6 +37,8 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class FSDP2Backend:
+    streams = True  # a step in parts: gradients accumulate in the sharded grads, reduce-scattered per backward
+
     def __init__(self, model_path: str, *, lr: float, weight_decay: float, max_grad_norm: float,
                  param_dtype: str = default(FSDP2BackendSection, "param_dtype"), seed: int = 0, lora: LoRASection | None = None,
                  freeze: list[str] | None = None) -> None:
@@ -113,10 +115,18 @@ class FSDP2Backend:
             group["lr"] = lr
 
     def train_step(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = default(RolloutSection, "temperature")) -> dict[str, float]:
-        self.model.train()
+        self.zero_grad()
+        return self.finish(self.accumulate(micros, loss_fn, temperature), 1.0)
+
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        num_real, loss_sum = 0.0, 0.0
+
+    def accumulate(self, micros: list[MicroBatch], loss_fn: LossFn, temperature: float = default(RolloutSection, "temperature"),
+                   into: Accumulated | None = None) -> Accumulated:
+        """Forward and backward over this rank's `micros`, gradients added to those already held;
+        the losses and the loss function's metrics added to `into` (a new record when None)."""
+        self.model.train()
+        acc = into if into is not None else Accumulated()
         for micro in micros:
             logprobs_BT = self._logprobs(micro, temperature)
             # Batch tensors live on CPU; the loss is computed there (a no-op move on CPU hosts).
@@ -124,17 +134,22 @@ class FSDP2Backend:
             # FSDP averages gradients over ranks; the loss normalisers already span the whole
             # step, so scaling by the world size makes the update equal the single-rank one.
             (loss * self.world_size).backward()
-            real = 0.0 if micro.is_padding else 1.0
-            num_real += real
-            loss_sum += float(loss.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + real * v
+            acc.add(micro.is_padding, float(loss.detach()), metrics)
+        return acc
+
+    def finish(self, acc: Accumulated, scale: float) -> dict[str, float]:
+        """Scale the accumulated gradient (and loss) by `scale`, clip, step the optimizer; the
+        metrics reduced over all ranks."""
+        if scale != 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        keys = sorted(sums)
-        totals = torch.tensor([num_real, loss_sum, *(sums[k] for k in keys)], dtype=torch.float64)
+        keys = sorted(acc.sums)
+        totals = torch.tensor([acc.num_real, acc.loss_sum * scale, *(acc.sums[k] for k in keys)], dtype=torch.float64)
         if self.world_size > 1:
             reduced = totals.to(self.device)
             dist.all_reduce(reduced)

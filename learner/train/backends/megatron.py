@@ -189,6 +189,9 @@ def _read_hf_tensors(model_path: str, names: set[str]) -> dict[str, torch.Tensor
 
 
 class MegatronBackend:
+    # Its pipeline schedule reduces gradients over ranks once per call (finalize_model_grads): a step trains whole.
+    streams = False
+
     def __init__(self, model_path: str, *, tensor_parallel: int, pipeline_parallel: int, lr: float,
                  weight_decay: float, max_grad_norm: float, param_dtype: str = default(MegatronBackendSection, "param_dtype"), seed: int = 0) -> None:
         self.rank, self.world_size = init_distributed()

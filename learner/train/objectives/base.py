@@ -13,7 +13,7 @@ from rlmesh.services.config import LearnerSection, default
 if TYPE_CHECKING:
     import torch
 
-    from rlmesh.learner.train.backends.base import TrainingBackend
+    from rlmesh.learner.train.backends.base import Accumulated, TrainingBackend
     from rlmesh.learner.train.batch import MicroBatch, Sequence
 
 
@@ -51,17 +51,39 @@ def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence
     # Shard by data-parallel rank: tensor/pipeline-parallel peers must see the same micro-batches.
     micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size,
                        max_tokens=max_tokens_per_micro_batch, shared_row_tokens=shared_prompt_row_tokens)
+    _before_training(backend, objective, micros)
+    extra = reward_kl(backend, objective, seqs, micros) if objective.kl_in_reward else {}
+    backend.set_lr(lr)
+    return {**backend.train_step(micros, objective.loss, objective.temperature), **extra, "lr": lr}
+
+
+def _before_training(backend: TrainingBackend, objective: Objective, micros: list[MicroBatch]) -> None:
+    """The no-grad forwards a loss needs before its own: pi_old recomputed, the reference's logprobs."""
     if objective.needs_old_logprobs:
         for m in micros:
             m.old_logprobs_BT = backend.compute_logprobs(m, objective.temperature)
-    extra: dict[str, float] = {}
     if objective.needs_ref_logprobs:
         for m in micros:
             m.ref_logprobs_BT = backend.reference_logprobs(m, objective.temperature)
-        if objective.kl_in_reward:
-            extra = reward_kl(backend, objective, seqs, micros)
-    backend.set_lr(lr)
-    return {**backend.train_step(micros, objective.loss, objective.temperature), **extra, "lr": lr}
+
+
+def accumulate_part(backend: TrainingBackend, objective: Objective, seqs: list[Sequence], acc: Accumulated, *,
+                    micro_batch_size: int, pad_id: int,
+                    max_tokens_per_micro_batch: int = default(LearnerSection, "max_tokens_per_micro_batch"),
+                    shared_prompt_row_tokens: int = default(LearnerSection, "shared_prompt_row_tokens")) -> Accumulated:
+    """Forward and backward over one part of a step trained in parts (a backend that `streams`; an
+    objective whose penalty does not reshape advantages across the step): the part's micro-batches
+    carry normalisers of 1, so the gradient held is the step's summed loss's; the caller divides it by
+    the whole step's normaliser in `backend.finish`. Called on every rank with the same `seqs`."""
+    from rlmesh.learner.train.batch import plan_step
+
+    assert backend.streams and not objective.kl_in_reward, "this step cannot be trained in parts"
+    micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size,
+                       max_tokens=max_tokens_per_micro_batch, shared_row_tokens=shared_prompt_row_tokens)
+    for m in micros:
+        m.num_loss_tokens_in_step = m.num_seqs_in_step = 1.0
+    _before_training(backend, objective, micros)
+    return backend.accumulate(micros, objective.loss, objective.temperature, acc)
 
 
 def reward_kl(backend: TrainingBackend, objective: Objective, seqs: list[Sequence],

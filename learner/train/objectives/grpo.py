@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlmesh.learner.train.algorithms.advantages import group_advantages
-from rlmesh.learner.train.algorithms.loss import LossConfig, policy_loss
+from rlmesh.learner.train.algorithms.loss import LossConfig, policy_loss, step_normaliser
 from rlmesh.learner.train.algorithms.off_policy import OffPolicyConfig
 from rlmesh.learner.train.algorithms.turn_credit import turn_advantages
 from rlmesh.learner.train.batch import MicroBatch, Sequence
@@ -68,6 +68,12 @@ class GRPOObjective:
             for s, a in zip(seqs[start:stop], group_advantages(rewards, self.name).tolist()):
                 s.advantage = a
             start = stop
+
+    def part_scale(self, seqs: list[Sequence]) -> float:
+        """What a step trained in parts (`accumulate_part`: normalisers of 1) multiplies its gradient by
+        once every part of `seqs`, the whole step, is in: the step's normaliser divided out."""
+        num_tokens = float(sum(sum(1 for m in s.loss_mask if m) for s in seqs)) or 1.0
+        return step_normaliser(self.cfg, 1.0, 1.0) / step_normaliser(self.cfg, float(len(seqs)), num_tokens)
 
     def loss(self, logprobs_BT: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logprobs_BT, micro, self.cfg)
