@@ -79,8 +79,9 @@ class RunResult:
     """metrics.jsonl: one row per step and per evaluation."""
     checkpoint: Path | None
     """The final checkpoint (DCP shards, and an HF model in `model/` unless checkpoint.hf_model=false)."""
-    held_out_accuracy_before: float
-    """Held-out accuracy of the starting policy (after the SFT warm start, if any)."""
+    held_out_accuracy_before: float | None
+    """Held-out accuracy of the starting policy (after the SFT warm start, if any); None with
+    learner.eval_at_start=false."""
     held_out_accuracy_after: float
     """Held-out accuracy of the final policy."""
     num_steps: int

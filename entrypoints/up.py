@@ -299,10 +299,13 @@ def _watch(mesh: Mesh, learner: Service, config: RunConfig, run_dir: Path,
             summary_path = run_dir / "summary.json"
             summary = json.loads(summary_path.read_text())
             before, after = summary["held_out_accuracy_before"], summary["held_out_accuracy_after"]
-            # A reward outside [0, 1] (the mean reward stands in where no environment says what is correct) is no share.
-            change = (f"{(after - before) * 100:+.1f} points" if 0 <= min(before, after) <= max(before, after) <= 1
-                      else f"{after - before:+.3f}")
-            print(f"\nheld-out accuracy: before {before:.3f} -> after {after:.3f} ({change})")
+            if before is None:
+                print(f"\nheld-out accuracy: after {after:.3f} (not evaluated at the start: learner.eval_at_start=false)")
+            else:
+                # A reward outside [0, 1] (the mean reward stands in where no environment says what is correct) is no share.
+                change = (f"{(after - before) * 100:+.1f} points" if 0 <= min(before, after) <= max(before, after) <= 1
+                          else f"{after - before:+.3f}")
+                print(f"\nheld-out accuracy: before {before:.3f} -> after {after:.3f} ({change})")
             print(f"staleness: max seen {summary['max_staleness_seen']} (bound {summary['max_staleness']}), "
                   f"dropped stale groups: {summary['num_dropped_stale']}")
             same = summary["last_weights_sha256"] == summary["learner_weights_sha256"]

@@ -266,8 +266,11 @@ class Controller:
     async def train(self) -> dict:
         cfg = self.config
         await self.wait_for_generators()
-        first = await self._start_first_evaluation() if cfg.learner.eval_overlap else None
-        before = None if first is not None else await self.evaluate()
+        first: Round | None = None
+        before: dict | None = None  # the starting policy's evaluation (learner.eval_at_start)
+        if cfg.learner.eval_at_start:
+            first = await self._start_first_evaluation() if cfg.learner.eval_overlap else None
+            before = None if first is not None else await self.evaluate()
         ready: Arrivals = []
         t_last = time.monotonic()
         while self.version < cfg.learner.num_steps:
@@ -390,18 +393,21 @@ class Controller:
         log.info("step %d reward %.3f staleness<=%d mismatch_kl %.2e %.0f tok/s", self.version,
                  record["reward_mean"], record["staleness_max"], record.get("mismatch_kl", 0.0), record["tokens_per_s"])
 
-    async def _summary(self, before: dict, after: dict, checkpoint: Path) -> dict:
+    async def _summary(self, before: dict | None, after: dict, checkpoint: Path) -> dict:
         from rlmesh.services.weights.wire import weights_digest
 
         a, first = self.admission, self.evaluator.first or before
+        if first is not None and first["version"] != 0:  # learner.eval_at_start=false: no record of the start
+            first = None
         algorithm = self.broadcaster.digest_algorithm
         learner_digest = await self._torch(lambda: weights_digest(self.trainer.stream_weights(),
                                                                   self.trainer.weight_metas(), algorithm))
         summary = {
             "run_id": self.run_id, "num_steps": self.version, "max_staleness": self.k, "resumed_from": self.resumed_from,
             "num_ranks": self.trainer.world_size, "weight_transport": self.config.weight_sync.backend,
-            "held_out_accuracy_before": first["accuracy"], "held_out_accuracy_after": after["accuracy"],
-            "held_out_accuracy_at_start_of_this_process": before["accuracy"],
+            "held_out_accuracy_before": first["accuracy"] if first is not None else None,
+            "held_out_accuracy_after": after["accuracy"],
+            "held_out_accuracy_at_start_of_this_process": before["accuracy"] if before is not None else None,
             "max_staleness_seen": self.max_staleness_seen, "num_dropped_stale": a.num_dropped_stale,
             "num_dropped_other": a.num_dropped_other, "num_dropped_invalid": a.num_dropped_invalid,
             "num_dropped_flat": a.num_dropped_flat, "num_duplicates": a.num_duplicates,

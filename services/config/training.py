@@ -89,6 +89,8 @@ class LearnerSection(Section):
     """Train each step's groups as they are admitted (forward and backward per arrival, the gradient accumulated; the optimizer step once the step's groups_per_step are in), so the learner trains while the rollout tier still generates the rest, the first step included. The update equals training the whole batch at once (each part's loss is summed and the gradient divided by the whole step's normaliser before clipping); the step takes groups in the order they were admitted instead of oldest first. The fsdp2 backend; the megatron backend, and algorithm.kl.where=reward (the penalty reshapes advantages across the whole step), train the whole batch at once. false: always at once."""
     eval_every: int = Field(0, ge=0)
     """Evaluate on held-out prompts every N steps (0: only before and after)."""
+    eval_at_start: bool = True
+    """Evaluate the starting policy (version 0) before training, beside the first step's generation where eval_overlap; summary.json's held_out_accuracy_before is its accuracy. false: no evaluation at start (NeMo RL's val_at_start, verl's val_before_train), so the first step's groups have the rollout tier to themselves; the first evaluation is then at step eval_every (or the last), and held_out_accuracy_before is null."""
     eval_overlap: bool = True
     """Mid-run evaluations run beside training: the learner issues the eval prompts and goes on, and
     the record is written when the last answer is back (`generated_at_versions` says which weights

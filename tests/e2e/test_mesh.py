@@ -185,14 +185,15 @@ def test_ctrl_c_stops_every_process(tmp_path):
 def test_two_on_policy_rollout_servers_share_the_work_and_the_broadcast(tmp_path):
     """Two rollout servers at max_staleness=0: both generate trained groups and get every broadcast,
     neither claims the other's live work, and every sample comes from the learner's current weights,
-    so vLLM's behaviour logprobs equal the learner's recomputed ones up to float error."""
+    so vLLM's behaviour logprobs equal the learner's recomputed ones up to float error. No evaluation
+    at the start (learner.eval_at_start=false): the only one is the last, and the summary says so."""
     run_dir = tmp_path / "run"
     # A claim timeout far shorter than a generation round: live servers must keep their claims fresh.
     # Each server takes at most half of a step's 32 groups: with the default (64) the first server to
     # read took every group of all 8 steps once (CI, 2026-12-03), and the other trained nothing.
     up = Up(run_dir, "rollout.num_servers=2", "learner.min_generators=2", "learner.num_steps=8",
             "learner.eval_every=0", "sft.num_steps=50", "queue.claim_idle_ms=1500", "rollout.max_tokens=24",
-            "algorithm.max_staleness=0", "rollout.max_concurrent_groups=16")
+            "algorithm.max_staleness=0", "rollout.max_concurrent_groups=16", "learner.eval_at_start=false")
     assert up.finish(timeout=500) == 0, up.output()[-4000:]
     assert not up.leftovers(), f"processes outlived rlmesh up: {up.leftovers()}"
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -201,7 +202,11 @@ def test_two_on_policy_rollout_servers_share_the_work_and_the_broadcast(tmp_path
     assert all(r["num_generators"] == 2 for r in train), "every broadcast reached both servers"
     producers = {gid for r in train for gid in r["groups_by_generator"]}
     assert producers == {"rollout-0", "rollout-1"}, f"both servers generated trained groups: {producers}"
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in evals if r["kind"] == "eval"] == [8]
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["held_out_accuracy_before"] is None and summary["held_out_accuracy_after"] is not None
+    assert "not evaluated at the start: learner.eval_at_start=false" in up.output()
     assert summary["weights_verified_versions"] >= 8 and summary["max_staleness_seen"] == 0
     for i in (0, 1):
         log = (run_dir / "logs" / f"rollout-{i}.log").read_text()
