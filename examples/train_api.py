@@ -17,4 +17,6 @@ def exact_answer(prompt, completion, metadata):
 if __name__ == "__main__":  # the reward server imports this file to find exact_answer
     config = Path(__file__).with_name("arithmetic_grpo.yaml")
     result = rlmesh.train(config, reward_fn=exact_answer, overrides=sys.argv[1:])
-    print(f"held-out accuracy: {result.held_out_accuracy_before:.2f} -> {result.held_out_accuracy_after:.2f}")
+    before = result.held_out_accuracy_before  # None with learner.eval_at_start=false
+    print(f"held-out accuracy: {'not evaluated' if before is None else f'{before:.2f}'} -> "
+          f"{result.held_out_accuracy_after:.2f}")
