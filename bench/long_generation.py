@@ -43,8 +43,9 @@ sys.path.insert(0, str(REPO))
 LONG_TAIL = REPO / "examples" / "reasoning_long_grpo.yaml"
 SIDES = ("k0", "k1", "k2", "trl")
 
-from bench.trl_vs_rlmesh import (_env, check_same_prompts, compute_dtype, environment,  # noqa: E402
-                                 held_out_accuracy, run_rlmesh, run_trl, score_side)
+from bench.task import child_env, environment  # noqa: E402
+from bench.trl_side import run_trl  # noqa: E402
+from bench.trl_vs_rlmesh import check_same_prompts, compute_dtype, held_out_accuracy, run_rlmesh, score_side  # noqa: E402
 
 
 def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         print(f"seed {seed}: warm start (rlmesh sft -c {args.config} run.seed={seed})", flush=True)
         with open(work / "sft.log", "w") as log:
             subprocess.run([sys.executable, "-m", "rlmesh.cli", "sft", "-c", str(args.config), "--output",
-                            str(warm), *seed_set], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
+                            str(warm), *seed_set], check=True, cwd=REPO, env=child_env(), stdout=log, stderr=log)
     sft_s = time.time() - t0
     check_same_prompts(warm, eval_set)
     dtype = compute_dtype(config)

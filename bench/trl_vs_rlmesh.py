@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,52 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-DEMO = REPO / "examples" / "arithmetic_grpo.yaml"
-EVERY = 10  # checkpoint (and evaluation) interval in steps on both sides where the config sets none
+
+from bench.task import DEMO, EVERY, child_env, environment, score  # noqa: E402
+from bench.trl_side import read_trl, run_trl  # noqa: E402
 
 if TYPE_CHECKING:
     from rlmesh.learner.data.examples import Example
     from rlmesh.services.config import RunConfig
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
-
-
-def environment(config: RunConfig) -> Any:
-    """The environment scoring `data.env_name`, built in this process as the reward server builds it:
-    `math` with its reward.math settings, another built-in, or a reward.functions entry."""
-    from rlmesh.reward_server.function_workers import WorkerLimits
-    from rlmesh.reward_server.environments.math import MathEnvironment
-    from rlmesh.reward_server.registry import BUILTIN, load_environment
-
-    name = config.data.env_name
-    if name == "math":
-        return MathEnvironment(**config.reward.math.model_dump())
-    if name in config.reward.functions:
-        return load_environment(name, config.reward.functions[name], WorkerLimits.from_config(config.reward))
-    if name in BUILTIN:
-        return BUILTIN[name]()
-    raise ValueError(f"data.env_name={name!r}: this bench scores in-process with a built-in environment "
-                     f"({', '.join(BUILTIN)}) or a reward.functions entry; remote environments are not supported")
-
-
-def score(env: Any, completions: list[str], answers: list[Any]) -> tuple[list[float], list[float]]:
-    """(reward, correct) of each completion by `env`; `correct` is the component of that name, else the reward."""
-    from rlmesh.reward_server.environments.base import ScoreInput
-
-    outs = env.score([ScoreInput(id=str(i), prompt=[], completion=c, metadata={"answer": a})
-                      for i, (c, a) in enumerate(zip(completions, answers))])
-    assert not any(o.error for o in outs), [o.error for o in outs if o.error]
-    return [o.reward for o in outs], [o.components.get("correct", o.reward) for o in outs]
-
-
-def lr_factor(step: int, config: RunConfig) -> float:
-    """rlmesh's learning-rate schedule (rlmesh.learner.train.schedule.learning_rate) as a multiplier at `step`."""
-    cfg = config.learner
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    return 1 - (1 - cfg.lr_final_ratio) * min(step / max(cfg.num_steps - 1, 1), 1.0)
 
 
 # --- the one evaluator ----------------------------------------------------------------------------
@@ -104,7 +64,7 @@ def vllm_accuracy(model_dir: Path, config_path: Path, overrides: list[str], out:
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run([sys.executable, "-m", "rlmesh.cli", "eval", "-c", str(config_path), "--model", str(model_dir),
                         "--output", str(out), "logging.progress=false", *overrides],
-                       check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
+                       check=True, cwd=REPO, env=child_env(), stdout=log, stderr=log)
     return float(json.loads((out / "eval.json").read_text())["accuracy"])
 
 
@@ -126,7 +86,7 @@ def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path =
     t_launch = time.time()  # the config's write time stands for it when a work directory is read again
     with open(work / f"{name}.log", "w") as log:
         subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "-c", str(cfg_path), "--run-dir", str(run_dir),
-                        "logging.progress=false", *overrides], check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
+                        "logging.progress=false", *overrides], check=True, cwd=REPO, env=child_env(), stdout=log, stderr=log)
     return {**read_rlmesh(work, name, t_launch), "process_s": time.time() - t_launch}
 
 
@@ -182,145 +142,6 @@ def read_rlmesh(work: Path, name: str = "rlmesh", t_launch: float | None = None)
             # may have been answered partly by the next weights: learner.eval_overlap).
             "own_eval": {r["version"]: r["accuracy"] for r in rows if r["kind"] == "eval"
                          and r.get("generated_at_versions", [r["version"]] * 2) == [r["version"]] * 2}}
-
-
-# --- TRL side ----------------------------------------------------------------------------------
-
-def run_trl(work: Path, warm: Path, generation: str, max_s: float, config_path: Path = DEMO,
-            config_overrides: list[str] = ()) -> dict[str, Any]:
-    """TRL's GRPOTrainer on `config_path` (with `config_overrides`, e.g. run.seed=1) in a process of its own."""
-    out = work / "trl"
-    out.mkdir(parents=True, exist_ok=True)
-    t_launch = time.time()
-    with open(work / "trl.log", "w") as log:
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(warm), str(out),
-                        "--trl-generation", generation, "--trl-max-s", str(max_s), "--t-launch", repr(t_launch),
-                        "--config", str(config_path), *(f"--trl-set={o}" for o in config_overrides)],
-                       check=True, cwd=REPO, env=_env(), stdout=log, stderr=log)
-    return {**read_trl(work, generation), "process_s": time.time() - t_launch}
-
-
-def read_trl(work: Path, generation: str) -> dict[str, Any]:
-    """A finished TRL run under work/trl (its times were written as seconds since its launch)."""
-    out = work / "trl"
-    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    at = {s["step"]: s["t"] for s in steps}
-    checkpoints = {int(p.name.removeprefix("step_")): p for p in sorted(out.glob("step_*"))}
-    # meta.json is written as the run ends: a run killed before (e.g. by the kernel's OOM killer) has
-    # its steps and checkpoints only.
-    meta_file = out / "meta.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {
-        "train_start_s": float("nan"), "excluded_s": float("nan"), "stopped_by_cap": False, "killed": True,
-        "generation_s": steps[-1].get("generation_s", float("nan")), "completion_lengths": []}
-    first_gen = steps[0].get("generation_s", float("nan"))
-    first_step = {"total_s": at[min(at)], "parts": {"trainer built (model, tokenizer, data)": meta["train_start_s"],
-                                                     "first groups generated": first_gen,
-                                                     "first step trained": at[min(at)] - meta["train_start_s"] - first_gen}}
-    loop_s = at[max(at)] - (0.0 if meta.get("killed") else meta["train_start_s"])
-    tokens = sum(meta["completion_lengths"])
-    # One process alternates: while it generates (and scores) nothing trains, and the reverse.
-    gen = meta["generation_s"] / loop_s
-    return {"first_step_start_s": meta["train_start_s"], "steps": len(steps), "first_step": first_step,
-            "loop_s": loop_s, "time_at_step": at, "checkpoints": checkpoints,
-            "generated_tokens": tokens, "tokens_per_s": tokens / loop_s, "completion_lengths": meta["completion_lengths"],
-            "learner_idle_frac": min(gen, 1.0), "rollout_idle_frac": {"trl": max(0.0, 1 - gen)},
-            "excluded_s": meta["excluded_s"], "generation": generation, "stopped_by_cap": meta["stopped_by_cap"],
-            "killed_before_its_end": bool(meta.get("killed"))}
-
-
-def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: float, config_path: Path = DEMO,
-               config_overrides: list[str] = ()) -> None:
-    """One TRL GRPOTrainer run. Times are seconds since the parent launched this process, less the
-    time spent writing checkpoints for the evaluator (TRL is not charged for them)."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlmesh.learner.data.sources import load_dataset
-    from rlmesh.services.config import load_config
-
-    from rlmesh.services.precision import resolve_precision
-
-    # bf16 where rlmesh computes in it (learner.backend.param_dtype=auto resolves on this machine as it
-    # does under `rlmesh up`): TRL then trains float32 weights under bf16 autocast, as its bf16=True does.
-    config = resolve_precision(load_config(config_path, list(config_overrides)))
-    bf16 = config.learner.backend.param_dtype == "bfloat16"
-    if config.algorithm.name != "grpo":
-        raise ValueError(f"algorithm.name={config.algorithm.name!r}: this comparison maps only rlmesh's grpo onto TRL "
-                         "(loss_type='grpo', scale_rewards='group')")
-    # Both cores for TRL's one process (rlmesh's learner gets one thread: vLLM holds the other core).
-    torch.set_num_threads(os.cpu_count() or 1)
-    train_set, _ = load_dataset(config.data, config.run.seed)
-    b, g = config.learner.groups_per_step, config.algorithm.group_size
-    every = config.checkpoint.every_n_steps or EVERY  # the rlmesh side's checkpoint interval
-    # rlmesh issues train prompts in data order, cycling (rlmesh.learner.rl.issuer): give TRL that same sequence.
-    order = [train_set.at(i) for i in range(config.learner.num_steps * b)]
-    dataset = Dataset.from_list([{"prompt": ex.prompt_messages, "answer": str(ex.metadata["answer"])} for ex in order])
-    env = environment(config)
-    lengths: list[int] = []  # every sampled completion's token count, in order
-
-    def exact_answer(prompts, completions, answer, completion_ids=None, **_) -> list[float]:
-        lengths.extend(len(ids) for ids in completion_ids or [])
-        return score(env, [c[-1]["content"] for c in completions], answer)[0]
-
-    tokenizer = AutoTokenizer.from_pretrained(str(warm))
-    model = AutoModelForCausalLM.from_pretrained(str(warm), dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
-    extra: dict[str, Any] = {}
-    if generation == "vllm-colocate":
-        extra = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": config.rollout.max_model_len}
-    elif generation == "hf-paged":
-        extra = {"use_transformers_continuous_batching": True}
-    args = GRPOConfig(
-        output_dir=str(out / "trainer"), use_cpu=True, bf16=bf16, fp16=False, gradient_checkpointing=False,
-        seed=config.run.seed, shuffle_dataset=False, max_steps=config.learner.num_steps,
-        per_device_train_batch_size=b * g, gradient_accumulation_steps=1, num_generations=g,
-        max_completion_length=config.rollout.max_tokens, temperature=config.rollout.temperature,
-        top_p=config.rollout.top_p, learning_rate=config.learner.lr, weight_decay=config.learner.weight_decay,
-        max_grad_norm=config.learner.max_grad_norm, beta=0.0, num_iterations=1, loss_type="grpo",
-        scale_rewards="group", epsilon=config.algorithm.clip_low, epsilon_high=config.algorithm.clip_high,
-        logging_steps=every, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-        **extra)
-
-    state = {"excluded": 0.0, "train_start": None, "stopped_by_cap": False, "generation": 0.0}
-    steps_file = (out / "steps.jsonl").open("w")
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, st, control, **kw):
-            state["train_start"] = time.time() - t_launch
-
-        def on_step_end(self, args, st, control, model=None, **kw):
-            t = time.time() - t_launch - state["excluded"]
-            steps_file.write(json.dumps({"step": st.global_step, "t": t, "generation_s": state["generation"]}) + "\n")
-            steps_file.flush()
-            if st.global_step % every == 0:
-                t0 = time.time()
-                model.save_pretrained(str(out / f"step_{st.global_step:06d}"), safe_serialization=True)
-                tokenizer.save_pretrained(str(out / f"step_{st.global_step:06d}"))  # vLLM loads it from there
-                state["excluded"] += time.time() - t0
-            if t > max_s and st.global_step % every == 0:
-                state["stopped_by_cap"] = True
-                control.should_training_stop = True
-
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, optimizers=(optimizer, schedule), callbacks=[Clock()])
-    generate = trainer._generate_and_score_completions  # the rollout phase of each step (sampling and scoring)
-
-    def timed_generate(*a, **kw):
-        t0 = time.time()
-        try:
-            return generate(*a, **kw)
-        finally:
-            state["generation"] += time.time() - t0
-
-    trainer._generate_and_score_completions = timed_generate
-    trainer.train()
-    steps_file.close()
-    (out / "meta.json").write_text(json.dumps({"train_start_s": state["train_start"], "excluded_s": state["excluded"],
-                                               "stopped_by_cap": state["stopped_by_cap"],
-                                               "generation_s": state["generation"], "completion_lengths": lengths}))
 
 
 # --- driver --------------------------------------------------------------------------------------
@@ -432,15 +253,8 @@ def main() -> None:
                    help="launch nothing: read the finished runs in --work again and score them (e.g. after a "
                         "crash while reading or scoring them)")
     p.add_argument("overrides", nargs="*", help="extra rlmesh overrides (e.g. learner.torch_threads=2)")
-    p.add_argument("--trl-worker", nargs=2, metavar=("WARM", "OUT"), help=argparse.SUPPRESS)
-    p.add_argument("--t-launch", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--trl-set", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, default=DEMO, help="the task's rlmesh config (default: the arithmetic demo)")
     args = p.parse_args()
-    if args.trl_worker:
-        trl_worker(Path(args.trl_worker[0]), Path(args.trl_worker[1]), args.trl_generation, args.trl_max_s,
-                   args.t_launch, args.config, args.trl_set)
-        return
 
     from rlmesh.learner.data.sources import load_dataset
     from rlmesh.services.config import load_config
@@ -463,7 +277,7 @@ def main() -> None:
         print(f"warm start: rlmesh sft on {args.config}", flush=True)
         subprocess.run([sys.executable, "-m", "rlmesh.cli", "sft", "-c", str(args.config), "--output",
                         str(warm)],
-                       check=True, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       check=True, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sft_s = time.time() - t0
     check_same_prompts(warm, eval_set)
 
