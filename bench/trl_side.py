@@ -182,6 +182,7 @@ def main() -> None:
     p.add_argument("--config", type=Path, default=DEMO, help="the task's rlmesh config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     trl_worker(args.warm, args.out, args.generation, args.max_s,
                args.t_launch if args.t_launch is not None else time.time(), args.config, args.set)
 
