@@ -10,15 +10,15 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlmesh.learner.rl.admission import Admission, staleness
-from rlmesh.learner.rl.evaluator import Evaluator, Round, episode_stats
+from rlmesh.learner.rl.evaluator import Evaluator, Round
 from rlmesh.learner.rl.issuer import PromptIssuer
 from rlmesh.learner.rl.membership import Membership
+from rlmesh.learner.rl.step_record import groups_record
 from rlmesh.learner.rl.stop import stop_requested, wait_until_seen
 from rlmesh.learner.train.schedule import learning_rate
 from rlmesh.v1 import common_pb2, learner_pb2
@@ -65,15 +65,6 @@ class Components:
     dropped_log: MetricsWriter
     watch: StallWatch
     """Says on the console what keeps the run from progressing, and stops it when nothing can."""
-
-
-def _oldest_versions(groups: list[common_pb2.TrajectoryGroup]) -> dict[str, int]:
-    """The oldest policy version any sample of each rollout server's groups was generated with."""
-    oldest: dict[str, int] = {}
-    for g in groups:
-        version = min((s.min_version for s in g.samples), default=0)
-        oldest[g.generator_id] = min(oldest.get(g.generator_id, version), version)
-    return oldest
 
 
 class Controller:
@@ -359,36 +350,18 @@ class Controller:
 
     def _log_step(self, groups, ages, train_metrics, bc, train_s, t_last) -> None:
         a = self.admission
-        samples = [s for g in groups for s in g.samples if not s.error]
-        num_tokens = sum(len(s.completion.token_ids) for s in samples)
         now = time.monotonic()
-        # Under dynamic sampling the trained groups are only those with a signal: the reward of
-        # everything generated since the last step counts the all-equal groups dropped too.
-        generated = [s.reward for s in samples] + a.take_flat_rewards()
-        record = {
-            "kind": "train", "version": self.version, "reward_mean": sum(s.reward for s in samples) / len(samples),
-            "reward_mean_generated": sum(generated) / len(generated), "num_dropped_flat": a.num_dropped_flat,
-            "num_groups": len(groups), "num_samples": len(samples), "num_tokens": num_tokens,
-            "completion_tokens": [len(s.completion.token_ids) for s in samples],  # each sample's length
-            "tokens_per_s": num_tokens / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
-            "staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages), "max_staleness": self.k,
-            "staleness_counts": {str(age): n for age, n in sorted(Counter(ages).items())},
+        record = {"kind": "train", "version": self.version, **groups_record(groups, ages, a.take_flat_rewards())}
+        record.update({
+            "tokens_per_s": record["num_tokens"] / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
+            "max_staleness": self.k, "num_dropped_flat": a.num_dropped_flat,
             "num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
             "num_dropped_invalid": a.num_dropped_invalid, "num_duplicates": a.num_duplicates,
             "num_reissued_after_invalid": a.num_reissued_after_invalid, "in_flight": self.issuer.ledger.in_flight,
             "num_ranks": self.trainer.world_size, **train_metrics, **bc,
-            "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
-            # The oldest weights each rollout server generated this step's groups with (a server that
-            # joined serves only once it holds the learner's weights: never older than its first update).
-            "oldest_version_by_generator": _oldest_versions(groups),
             # Each rollout server's cumulative engine-busy seconds (for its idle fraction over a span).
             "rollout_busy_s": {g.generator_id: g.busy_seconds for g in self.membership.generators.values()},
-            "num_failed_samples": sum(1 for g in groups for s in g.samples if s.error),
-            # Groups whose rewards differ (only those give GRPO an advantage), and completions cut at max_tokens.
-            "num_groups_with_signal": sum(1 for g in groups if len({s.reward for s in g.samples if not s.error}) > 1),
-            "share_cut": sum(1 for s in samples if s.finish_reason == "length") / len(samples),
-            **episode_stats(samples),
-        }
+        })
         self.metrics.write(record)
         log.info("step %d reward %.3f staleness<=%d mismatch_kl %.2e %.0f tok/s", self.version,
                  record["reward_mean"], record["staleness_max"], record.get("mismatch_kl", 0.0), record["tokens_per_s"])
