@@ -61,6 +61,53 @@ class SharedPrompts:
     src_N: torch.Tensor
     dst_N: torch.Tensor
     targets_N: torch.Tensor
+    segments: SegmentLayout | None = None  # the same rows by segment (`backends.shared_attention`)
+
+
+@dataclass
+class SegmentLayout:
+    """Where each segment's queries and keys sit in the flattened [R * L] row positions.
+    q_index_SQ / k_index_SK are padded with position 0; q_valid_SQ marks the real queries;
+    mask_S1QK is True where a query may attend (a padded query attends to its first key only)."""
+
+    q_index_SQ: torch.Tensor
+    q_valid_SQ: torch.Tensor
+    k_index_SK: torch.Tensor
+    mask_S1QK: torch.Tensor
+
+    def to(self, device: torch.device) -> SegmentLayout:
+        return SegmentLayout(*(t.to(device) for t in (self.q_index_SQ, self.q_valid_SQ, self.k_index_SK, self.mask_S1QK)))
+
+
+def build_layout(width: int, rows: list[tuple[int, list[int]]]) -> SegmentLayout:
+    """The layout of rows `width` tokens wide, each given as (prompt length, completion lengths in
+    order), laid out as `batch.pack_shared` writes them: the prompt, then each completion."""
+    segments: list[tuple[list[int], list[int], int]] = []  # (query positions, key positions, prefix keys)
+    for r, (n_p, completions) in enumerate(rows):
+        base = r * width
+        prompt = list(range(base, base + n_p))
+        segments.append((prompt, prompt, 0))
+        start = base + n_p
+        for n_c in completions:
+            own = list(range(start, start + n_c))
+            segments.append((own, prompt + own, n_p))
+            start += n_c
+    q_max = max(len(q) for q, _, _ in segments)
+    k_max = max(len(k) for _, k, _ in segments)
+    s = len(segments)
+    q_index = torch.zeros(s, q_max, dtype=torch.long)
+    q_valid = torch.zeros(s, q_max, dtype=torch.bool)
+    k_index = torch.zeros(s, k_max, dtype=torch.long)
+    mask = torch.zeros(s, 1, q_max, k_max, dtype=torch.bool)
+    for i, (q, k, prefix) in enumerate(segments):
+        n_q = len(q)
+        q_index[i, :n_q] = torch.tensor(q)
+        q_valid[i, :n_q] = True
+        k_index[i, : len(k)] = torch.tensor(k)
+        mask[i, 0, :n_q, :prefix] = True  # the prompt, seen whole by a completion
+        mask[i, 0, :n_q, prefix: prefix + n_q] = torch.ones(n_q, n_q, dtype=torch.bool).tril()
+        mask[i, 0, n_q:, 0] = True  # padded queries: one key, so no row of the softmax is empty
+    return SegmentLayout(q_index, q_valid, k_index, mask)
 
 
 def pack(seqs: list[Sequence], pad_id: int) -> MicroBatch:
@@ -150,8 +197,9 @@ def pack_shared(seqs: list[Sequence], rows: list[list[int]], pad_id: int) -> Mic
             dst += [i * t + n_p - 1 + j for j in range(n_c)]
             targets += c
             start = end
+    segments = build_layout(width, [(len(seqs[r[0]].prompt_ids), [len(seqs[i].completion_ids) for i in r]) for r in rows])
     micro.shared = SharedPrompts(ids, positions, mask, torch.arange(keep_from, width), torch.tensor(src),
-                                 torch.tensor(dst), torch.tensor(targets, dtype=torch.long))
+                                 torch.tensor(dst), torch.tensor(targets, dtype=torch.long), segments)
     return micro
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from rlmesh.learner.train import freeze as frozen
 from rlmesh.learner.train import lora as adapters
+from rlmesh.learner.train.backends import shared_attention
 from rlmesh.learner.train.backends.base import Accumulated, LossFn
 from rlmesh.learner.train.batch import MicroBatch
 from rlmesh.learner.train.distributed import init_distributed
@@ -59,14 +60,17 @@ class FSDP2Backend:
     def _sharded_model(self, lora: LoRASection | None = None, freeze: list[str] | None = None) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
+        shared_attention.install()  # shared-prompt rows' attention by segment (`_shared_logprobs`)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.to(self.device)
         if lora is not None:
             model = adapters.wrap(model, lora)
         frozen.freeze(model, freeze or [])
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.param_dtype), reduce_dtype=torch.float32)
+        # One rank: a layer's parameters stay gathered from its forward to its backward (nothing
+        # to free by resharding; the backward's gather again is a copy and a cast of every layer).
         for layer in adapters.decoder_layers(model):
-            fully_shard(layer, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=self.world_size > 1)
         fully_shard(model, mp_policy=mp)
         return model
 
@@ -89,8 +93,9 @@ class FSDP2Backend:
         predictor on (the rest of the prompt predicts nothing that is trained)."""
         sp = micro.shared
         d = self.device
-        logits_RKV = model(input_ids=sp.input_ids_RL.to(d), attention_mask=sp.mask_R1LL.to(d),
-                           position_ids=sp.position_ids_RL.to(d), logits_to_keep=sp.keep_K.to(d)).logits
+        with shared_attention.segments(sp.segments.to(d) if sp.segments is not None else None):
+            logits_RKV = model(input_ids=sp.input_ids_RL.to(d), attention_mask=sp.mask_R1LL.to(d),
+                               position_ids=sp.position_ids_RL.to(d), logits_to_keep=sp.keep_K.to(d)).logits
         logits_NV = _scaled(logits_RKV.reshape(-1, logits_RKV.shape[-1])[sp.src_N.to(d)].float(), temperature)
         logprobs_N = -torch.nn.functional.cross_entropy(logits_NV, sp.targets_N.to(d), reduction="none")
         b, t = micro.input_ids_BT.shape

@@ -90,3 +90,29 @@ def test_another_backend_is_refused_with_the_fix():
 
     with pytest.raises(ValueError, match="shared_prompt_row_tokens=512 .* use learner.backend.type=fsdp2"):
         load_config(None, ["learner.shared_prompt_row_tokens=512", "learner.backend.type=megatron"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "phi3", "olmo2", "qwen3_moe"])
+def test_attention_by_segment_gives_every_familys_logprobs(tmp_path, arch, monkeypatch):
+    """The shared-prompt forward's attention runs by segment (`backends.shared_attention`) on the
+    layers it can serve (Gemma 3's sliding-window layers keep the row's mask) and its logprobs
+    are those of one row per sample, in each family's own attention module."""
+    from rlmesh.learner.devtools.tiny_model import write_tiny_model
+    from rlmesh.learner.train.backends import shared_attention
+    from rlmesh.services.config import TinyModelSection
+
+    model_dir = write_tiny_model(TinyModelSection(arch=arch, num_heads=4, num_kv_heads=2), tmp_path / arch, seed=0)
+    backend = make_trainer(model_dir, 8).backend
+    by_segment = []
+    real = shared_attention.segment_attention
+    monkeypatch.setattr(shared_attention, "segment_attention", lambda *a, **k: by_segment.append(1) or real(*a, **k))
+    seqs = groups(3, 5, seed=2)
+    with torch.no_grad():
+        lp = {}
+        for name, plan in (("plain", plan_step(seqs, 8, 0)), ("shared", plan_step(seqs, 8, 0, shared_row_tokens=60))):
+            lp[name] = torch.zeros(len(seqs), 40)
+            for m in plan:
+                lp[name][m.seq_index_B, : m.loss_mask_BT.shape[1]] = backend._logprobs(m, 1.0) * m.loss_mask_BT
+    assert lp["plain"].abs().sum() > 0
+    assert torch.allclose(lp["plain"], lp["shared"], atol=1e-5), (arch, (lp["plain"] - lp["shared"]).abs().max())
+    assert by_segment, f"{arch}: no layer ran by segment"
