@@ -78,8 +78,8 @@ def install() -> None:
     if getattr(AttentionInterface._global_mapping.get("sdpa"), "rlmesh_segments", False):
         return
 
-    def sdpa_or_segments(module, query, key, value, attention_mask, dropout: float = 0.0,
-                         scaling: float | None = None, **kwargs):
+    def sdpa_or_segments(module, query, key, value, attention_mask, scaling: float | None = None, **kwargs):
+        dropout = kwargs.pop("dropout", 0.0)  # the attention's dropout (HF passes 0 unless training with it)
         layout = _layout.get()
         if layout is None or not _servable(module, query, key, dropout, kwargs):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
