@@ -224,8 +224,17 @@ def budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def carries_no_gradient(s: Sequence) -> bool:
+    """Whether a sequence's advantage is exactly zero at every token (a group whose samples were all
+    scored alike): under a policy-gradient loss with no KL term its loss and gradient are zero
+    whatever the weights are."""
+    if s.token_advantages is not None:
+        return not any(s.token_advantages)
+    return s.advantage == 0.0
+
+
 def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world_size: int = 1,
-              max_tokens: int = 0, shared_row_tokens: int = 0) -> list[MicroBatch]:
+              max_tokens: int = 0, shared_row_tokens: int = 0, skip_zero_advantage: bool = False) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step over `seqs` (the whole step's batch).
 
     Ranks take contiguous equal shares; every rank gets the same number of micro-batches (padded
@@ -235,14 +244,18 @@ def plan_step(seqs: list[Sequence], size: int, pad_id: int, rank: int = 0, world
     (`budget_groups`); every rank plans every rank's share (all see the whole batch), so all agree
     on the count without communicating. With `shared_row_tokens` > 0 the units are shared-prompt
     rows (`shared_rows`, `pack_shared`) instead of sequences: `size` counts a row's sequences and
-    `max_tokens` its packed length."""
+    `max_tokens` its packed length. With `skip_zero_advantage` (an objective whose loss of a
+    zero-advantage sequence is zero: `Objective.skips_zero_advantage`), the sequences that
+    `carries_no_gradient` are left out of every micro-batch, no forward or backward spent on them,
+    while they still count in the step's normalisers: the same update."""
     num_tokens = float(sum(sum(1 for m in s.loss_mask if m) for s in seqs)) or 1.0
-    per_rank = -(-len(seqs) // world_size)
+    trained = [i for i, s in enumerate(seqs) if not (skip_zero_advantage and carries_no_gradient(s))]
+    per_rank = -(-len(trained) // world_size)
 
     def share(r: int) -> list[list[list[int]]]:
         """Rank r's micro-batches, each a list of rows of indices into `seqs` (without shared
         prompts a row is one sequence)."""
-        indices = list(range(r * per_rank, min((r + 1) * per_rank, len(seqs))))
+        indices = trained[r * per_rank : (r + 1) * per_rank]
         if shared_row_tokens:
             rows = [[indices[j] for j in row] for row in shared_rows([seqs[i] for i in indices], shared_row_tokens)]
         else:

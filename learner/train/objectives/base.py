@@ -28,6 +28,10 @@ class Objective(Protocol):
     (such an objective also names its `kl_estimator`, k1, k2 or k3, and `kl_clamp`)."""
     temperature: float
     """Temperature the policy's logprobs are taken at: the sampling temperature for RL, 1 for data."""
+    skips_zero_advantage: bool
+    """A sequence whose advantage is zero everywhere adds nothing to the loss or its gradient (a
+    policy-gradient loss with no KL term), so the step leaves it out of its forward and backward
+    (`plan_step`'s skip_zero_advantage); it still counts in the step's normalisers."""
 
     def sequences(self, batch: list[Any]) -> list[Sequence]:
         """One step's sequences from what the loop collected (rank 0 only): trajectory groups for
@@ -50,7 +54,8 @@ def run_step(backend: TrainingBackend, objective: Objective, seqs: list[Sequence
 
     # Shard by data-parallel rank: tensor/pipeline-parallel peers must see the same micro-batches.
     micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size,
-                       max_tokens=max_tokens_per_micro_batch, shared_row_tokens=shared_prompt_row_tokens)
+                       max_tokens=max_tokens_per_micro_batch, shared_row_tokens=shared_prompt_row_tokens,
+                       skip_zero_advantage=objective.skips_zero_advantage)
     _before_training(backend, objective, micros)
     extra = reward_kl(backend, objective, seqs, micros) if objective.kl_in_reward else {}
     backend.set_lr(lr)
@@ -79,7 +84,8 @@ def accumulate_part(backend: TrainingBackend, objective: Objective, seqs: list[S
 
     assert backend.streams and not objective.kl_in_reward, "this step cannot be trained in parts"
     micros = plan_step(seqs, micro_batch_size, pad_id, backend.dp_rank, backend.dp_size,
-                       max_tokens=max_tokens_per_micro_batch, shared_row_tokens=shared_prompt_row_tokens)
+                       max_tokens=max_tokens_per_micro_batch, shared_row_tokens=shared_prompt_row_tokens,
+                       skip_zero_advantage=objective.skips_zero_advantage)
     for m in micros:
         m.num_loss_tokens_in_step = m.num_seqs_in_step = 1.0
     _before_training(backend, objective, micros)

@@ -60,6 +60,7 @@ class DPOObjective:
     name = "dpo"
     needs_old_logprobs = False
     needs_ref_logprobs = False
+    skips_zero_advantage = False
     kl_in_reward = False
     temperature = 1.0
 

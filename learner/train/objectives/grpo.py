@@ -28,6 +28,8 @@ class GRPOObjective:
         self.needs_old_logprobs = cfg.recompute_old_logprobs
         self.needs_ref_logprobs = cfg.kl.coef > 0
         self.kl_in_reward = self.needs_ref_logprobs and cfg.kl.where == "reward"
+        # Without a KL term, a sample of a group scored all alike trains nothing: no forward for it.
+        self.skips_zero_advantage = not self.needs_ref_logprobs
         self.credit = cfg.credit
         self.kl_coef, self.kl_estimator, self.kl_clamp = cfg.kl.coef, cfg.kl.estimator, cfg.kl.clamp
         off = cfg.off_policy
