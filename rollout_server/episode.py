@@ -102,14 +102,15 @@ class EpisodeRunner:
         if group.prompt_tokens.token_ids:
             raise ValueError(f"group {group.group_id}: environment {group.env_name!r} is multi-turn and needs chat "
                              "messages, not prompt_tokens")
-        traces = await asyncio.gather(*(self.run_episode(group, i) for i in range(group.n)))
+        priority = self.generator.claim_order()  # every turn of every episode takes the group's place
+        traces = await asyncio.gather(*(self.run_episode(group, i, priority) for i in range(group.n)))
         started = [t.context[: t.num_prompt] for t in traces if t.num_prompt]
         shared = common_prefix(started) if started else []
         penalty = self.cfg.error_reward if self.cfg.on_error == "penalize" else None
         samples = [trace_sample(i, t, len(shared), self.generator.version, penalty) for i, t in enumerate(traces)]
         return shared, samples
 
-    async def run_episode(self, group: common_pb2.PromptGroup, index: int) -> EpisodeTrace:
+    async def run_episode(self, group: common_pb2.PromptGroup, index: int, priority: int | None = None) -> EpisodeTrace:
         trace = EpisodeTrace(context=[], num_prompt=0)
         session: EnvSession | None = None
         try:
@@ -128,7 +129,7 @@ class EpisodeRunner:
                 except ValueError as err:
                     raise EpisodeFailed("invalid_prompt", str(err)) from None
                 trace.num_prompt = len(trace.context)
-                await self._turns(group, index, session, tools, trace)
+                await self._turns(group, index, session, tools, trace, priority)
         except EpisodeFailed as err:
             trace.finish_reason, trace.error = err.reason, str(err)
         except TimeoutError:
@@ -144,7 +145,7 @@ class EpisodeRunner:
         return trace
 
     async def _turns(self, group: common_pb2.PromptGroup, index: int, session: EnvSession,
-                     tools: list[dict[str, Any]], trace: EpisodeTrace) -> None:
+                     tools: list[dict[str, Any]], trace: EpisodeTrace, priority: int | None = None) -> None:
         for turn in range(self.cfg.max_turns):
             budget = self.max_total - len(trace.context)
             if budget < 1:
@@ -153,7 +154,7 @@ class EpisodeRunner:
             params = self.generator.sampling_params(group, index, max_tokens=budget, turn=turn)
             request_id = f"{group.group_id}-{index}-t{turn}-{uuid.uuid4().hex[:8]}"
             try:
-                gen = await self.generator.generate_ids(trace.context, params, request_id)
+                gen = await self.generator.generate_ids(trace.context, params, request_id, priority=priority)
             except ValueError as err:  # vLLM refused the request (e.g. the context no longer fits)
                 raise EpisodeFailed("invalid_request", str(err)) from None
             record = trace.add_sampled(gen)

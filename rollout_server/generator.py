@@ -5,6 +5,7 @@ updates: `vllm_engine.VLLMEngine`)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,15 @@ class VLLMGenerator(VLLMEngine):
         super().__init__(model_path, cfg, seed, weight_backend, adapter, placeholder=placeholder)
         self.prompt = prompt  # the run's prompt format (unset: the chat template where there is one)
         self._codec: PromptCodec | None = None
+        self._claimed = itertools.count()
+        self._entered = asyncio.Event()  # set once the last group to call generate_group has every sample in the engine
+        self._entered.set()
+
+    def claim_order(self) -> int:
+        """A new vLLM priority, after every one given so far: the engine schedules waiting requests
+        lowest first, so a group's samples (an episode's turns) all take the place of its claim, and
+        the groups claimed first finish first where rollout.max_num_seqs bounds what runs at once."""
+        return next(self._claimed)
 
     async def start(self) -> None:
         """The tokenizer and the prompt format first: a template the model lacks fails here, before vLLM loads."""
@@ -103,11 +113,12 @@ class VLLMGenerator(VLLMEngine):
 
     async def generate_ids(self, prompt_ids: list[int], params, request_id: str,
                            on_text: Callable[[str], Awaitable[None]] | None = None,
-                           prefilled: asyncio.Event | None = None) -> Generation:
+                           prefilled: asyncio.Event | None = None, priority: int | None = None) -> Generation:
         """One generation from token ids (token-in/token-out): the sampled ids exactly as vLLM
         returned them, their logprobs, and the policy versions they were sampled under. `on_text`,
         if given, gets the text as it is generated, piece by piece; `prefilled`, if given, is set
-        when the first token is out (the prompt's KV is computed)."""
+        when the first token is out (the prompt's KV is computed); `priority`: its group's
+        `claim_order` (unset: a new one, behind everything asked for so far)."""
         from vllm.sampling_params import RequestOutputKind
 
         min_version = self.version
@@ -120,7 +131,8 @@ class VLLMGenerator(VLLMEngine):
         self.busy.enter()
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                                  lora_request=lora_request):
+                                                  lora_request=lora_request,
+                                                  priority=self.claim_order() if priority is None else priority):
                 final = out
                 if prefilled is not None:
                     prefilled.set()
@@ -138,10 +150,10 @@ class VLLMGenerator(VLLMEngine):
                           min_version if self.adapter else self.version)
 
     async def sample(self, group: common_pb2.PromptGroup, prompt_ids: list[int], index: int,
-                     prefilled: asyncio.Event | None = None) -> common_pb2.Sample:
+                     prefilled: asyncio.Event | None = None, priority: int | None = None) -> common_pb2.Sample:
         request_id = f"{group.group_id}-{index}-{uuid.uuid4().hex[:8]}"
         gen = await self.generate_ids(prompt_ids, self.sampling_params(group, index), request_id,
-                                      prefilled=prefilled)
+                                      prefilled=prefilled, priority=priority)
         return common_pb2.Sample(
             index=index,
             completion=common_pb2.TokenSequence(token_ids=gen.token_ids, loss_mask=[True] * len(gen.token_ids)),
@@ -157,26 +169,43 @@ class VLLMGenerator(VLLMEngine):
         if group.n < 1:
             raise ValueError(f"group {group.group_id}: n={group.n} must be >= 1")
         prompt_ids = self.prompt_token_ids(group)
-        if not self.shares_prefill(group.n, len(prompt_ids)):
-            samples = await asyncio.gather(*(self.sample(group, prompt_ids, i) for i in range(group.n)))
-            return prompt_ids, list(samples)
-        # Samples started together are prefilled together, each computing the whole prompt (vLLM
-        # caches a block once it is computed): start the first, and the rest once its first token
-        # is out, so they find the prompt's full blocks cached and compute only the last partial
-        # one. On a CPU, where a prompt token costs about what a sampled one does, this removes most
-        # of a group's prompt work (8 samples of a 62-token prompt: 496 prompt tokens to 272).
-        prefilled = asyncio.Event()
-        lead = asyncio.ensure_future(self.sample(group, prompt_ids, 0, prefilled))
-        waiter = asyncio.ensure_future(prefilled.wait())
+        priority = self.claim_order()
+        # Groups enter the engine in claim order: this one once every sample of the one claimed before
+        # it is in. A group that shares its prefill sends its other samples after the first one's
+        # first token, and vLLM hands a free place to whatever waits then, lowest priority first; a
+        # later group's samples sent meanwhile (the demo's 56 evaluation prompts behind the first
+        # step's 8 groups) would take the places, and the earlier group would wait behind them.
+        before, entered = self._entered, asyncio.Event()
+        self._entered = entered
         try:
-            await asyncio.wait((lead, waiter), return_when=asyncio.FIRST_COMPLETED)
-            if lead.done():  # it ended (or failed) before its first token came out
-                lead.result()
-            samples = await asyncio.gather(lead, *(self.sample(group, prompt_ids, i) for i in range(1, group.n)))
+            await before.wait()
+            if not self.shares_prefill(group.n, len(prompt_ids)):
+                tasks = [asyncio.ensure_future(self.sample(group, prompt_ids, i, priority=priority))
+                         for i in range(group.n)]
+                entered.set()
+                return prompt_ids, list(await asyncio.gather(*tasks))
+            # Samples started together are prefilled together, each computing the whole prompt (vLLM
+            # caches a block once it is computed): start the first, and the rest once its first token
+            # is out, so they find the prompt's full blocks cached and compute only the last partial
+            # one. On a CPU, where a prompt token costs about what a sampled one does, this removes most
+            # of a group's prompt work (8 samples of a 62-token prompt: 496 prompt tokens to 272).
+            prefilled = asyncio.Event()
+            lead = asyncio.ensure_future(self.sample(group, prompt_ids, 0, prefilled, priority))
+            waiter = asyncio.ensure_future(prefilled.wait())
+            try:
+                await asyncio.wait((lead, waiter), return_when=asyncio.FIRST_COMPLETED)
+                if lead.done():  # it ended (or failed) before its first token came out
+                    lead.result()
+                rest = [asyncio.ensure_future(self.sample(group, prompt_ids, i, priority=priority))
+                        for i in range(1, group.n)]
+                entered.set()
+                samples = await asyncio.gather(lead, *rest)
+            finally:
+                waiter.cancel()
+                lead.cancel()
+            return prompt_ids, list(samples)
         finally:
-            waiter.cancel()
-            lead.cancel()
-        return prompt_ids, list(samples)
+            entered.set()  # a group that failed or was cancelled holds back no later one
 
     def shares_prefill(self, n: int, prompt_len: int) -> bool:
         """Whether a group's samples after the first wait for its prefill: only where the cache can

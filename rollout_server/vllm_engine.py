@@ -176,6 +176,10 @@ class VLLMEngine:
             # Lets received_digests() ask each worker what it received (reported to the learner over gRPC).
             worker_extension_cls="rlmesh.rollout_server.weight_engine.WorkerDigests",
             disable_log_stats=True,
+            # Waiting requests are taken oldest group first (`VLLMGenerator.claim_order`), not in the
+            # order their samples reached the engine (a group's later samples wait for its prefill).
+            scheduling_policy="priority",
+            **({"max_num_seqs": self.cfg.max_num_seqs} if self.cfg.max_num_seqs else {}),
             **_executor(),
         )
         t0 = time.monotonic()

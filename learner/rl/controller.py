@@ -329,13 +329,18 @@ class Controller:
 
     async def _start_first_evaluation(self) -> Round:
         """The first evaluation, run beside the first step's generation; the first weight update waits
-        for its last answer, so every one comes from this version. The first step's prompts go out
-        before the evaluation's: a rollout server claims groups in stream order, up to
-        rollout.max_concurrent_groups, so an evaluation issued first (the demo's 64 one-sample groups)
-        took every slot and the first step's groups waited behind it, with the learner idle."""
+        for its last answer, so every one comes from this version. Its prompts go out after the first
+        step's groups and before the rest of the bound's: a rollout server claims groups in stream
+        order and vLLM takes them in claim order (rollout.max_num_seqs), so the first step's groups
+        come first (an evaluation issued first, the demo's 64 one-sample groups, kept the learner
+        idle behind it), and the evaluation the first update waits for is not behind the groups of
+        the step after."""
         if not self.held_back:  # after a resume, what is held back counts against the bound first (_fill)
-            await self.issuer.issue_train(0, self.version)
-        return await self.evaluator.start(self.version)
+            await self.issuer.issue_train(self.k * self.B, self.version)  # one step's worth
+        first = await self.evaluator.start(self.version)
+        if not self.held_back:
+            await self.issuer.issue_train(0, self.version)  # the rest of the bound
+        return first
 
     async def _timed_step(self, groups: list[common_pb2.TrajectoryGroup], lr: float) -> tuple[dict, float]:
         """One optimizer step on the torch thread (over the parts trained as they arrived, where the

@@ -54,6 +54,8 @@ class RolloutSection(Section):
     """Rollout servers `rlmesh up` starts."""
     max_concurrent_groups: int = Field(64, ge=1)
     """Prompt groups one server generates at once (vLLM batches them)."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Sequences vLLM decodes at once (its max_num_seqs; unset: vLLM's default, 128 on a CPU). Requests beyond it wait, and vLLM takes the waiting ones in the order their groups were claimed (priority scheduling), so a lower bound makes the oldest groups finish first instead of all together: the learner can train them while the rest generate, at some cost in tokens/s where the bound is below what the engine decodes best (docs/real-model.md, "Settings, and why")."""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0, le=1)

@@ -20,10 +20,12 @@ class FakeEngine:
 
     def __init__(self, block_size: int, fail_lead: bool = False) -> None:
         self.events: list[tuple[int, str]] = []
+        self.priorities: dict[str, int] = {}  # request id -> the vLLM priority it was given
         self.fail_lead = fail_lead
         self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size))
 
-    async def generate(self, prompt, params, request_id, lora_request=None):
+    async def generate(self, prompt, params, request_id, lora_request=None, priority=0):
+        self.priorities[request_id] = priority
         index = int(request_id.split("-")[1])
         self.events.append((index, "start"))
         await asyncio.sleep(0)
@@ -80,3 +82,36 @@ async def test_a_first_sample_that_fails_before_its_first_token_fails_the_group_
     with pytest.raises(RuntimeError, match="engine died"):
         await gen.generate_group(group(4, 62))
     assert engine.events == [(0, "start")]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+async def test_every_sample_of_a_group_waits_in_the_place_of_its_claim(caching):
+    """vLLM takes waiting requests lowest priority first: a group's samples (those started after its
+    prefill too) all carry the group's claim order, and a group claimed later waits behind them."""
+    gen, engine = generator(enable_prefix_caching=caching, block_size=32)
+    first, second = (common_pb2.PromptGroup(group_id=name, n=4, prompt_tokens=common_pb2.TokenSequence(
+        token_ids=list(range(1, 63)))) for name in ("a", "b"))
+    await asyncio.gather(gen.generate_group(first), gen.generate_group(second))
+    by_group = {name: {p for rid, p in engine.priorities.items() if rid.startswith(f"{name}-")} for name in "ab"}
+    assert len(engine.priorities) == 8
+    assert len(by_group["a"]) == len(by_group["b"]) == 1, engine.priorities
+    assert by_group["a"].pop() < by_group["b"].pop()
+
+
+async def test_a_later_group_enters_once_the_earlier_one_is_all_in():
+    """The first sample of the group claimed second starts only after every sample of the first
+    group has started (its others wait for its prefill): vLLM would hand the free places to whatever
+    waits, and a later group sent early would take them."""
+    gen, engine = generator(enable_prefix_caching=True, block_size=32)
+    first, second = (common_pb2.PromptGroup(group_id=name, n=4, prompt_tokens=common_pb2.TokenSequence(
+        token_ids=list(range(1, 63)))) for name in ("a", "b"))
+    starts: list[str] = []
+    real = engine.generate
+
+    def generate(prompt, params, request_id, **kw):
+        starts.append(request_id.split("-")[0])
+        return real(prompt, params, request_id, **kw)
+
+    engine.generate = generate
+    await asyncio.gather(gen.generate_group(first), gen.generate_group(second))
+    assert starts == ["a"] * 4 + ["b"] * 4, starts
