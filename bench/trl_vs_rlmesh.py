@@ -114,14 +114,19 @@ def read_rlmesh(work: Path, name: str = "rlmesh", t_launch: float | None = None)
                    for p in sorted((run_dir / "checkpoints").glob("step_*"))}
     first_step_start = train[0]["time"] - train[0]["step_s"] - t_launch
     loop_s = at[max(at)] - first_step_start
-    # Launch to the first trained step, in three parts: the mesh up (Valkey, services, vLLM loaded and
-    # registered), waiting for the first step's groups (training those in already, where the learner
-    # trains groups as they arrive), and the training left once the last is in.
-    first_train = train[0]["time"] - train[0]["train_s"] - t_launch
-    first_step = {"total_s": at[min(at)], "parts": {"mesh up, vLLM loaded": first_step_start,
-                                                     "first groups generated": first_train - first_step_start,
-                                                     "first step trained": train[0]["train_s"]},
-                  "trained_while_generating_s": max(0.0, training_s(train[0]) - train[0]["train_s"])}
+    # Launch to the first trained step (its optimizer step done: where TRL's clock stops too, at its
+    # on_step_end), in three parts: the mesh up (Valkey, services, vLLM loaded and registered), waiting
+    # for the first step's groups (training those in already, where the learner trains groups as they
+    # arrive), and the training left once the last is in. Then, not counted: the wait for the first
+    # evaluation's last answer and the weight send, until the step's record (a run without
+    # `trained_time`, before it was recorded, counts up to the record).
+    first_trained = train[0].get("trained_time", train[0]["time"]) - t_launch
+    groups_in = first_trained - train[0]["train_s"]
+    first_step = {"total_s": first_trained, "parts": {"mesh up, vLLM loaded": first_step_start,
+                                                       "first groups generated": groups_in - first_step_start,
+                                                       "first step trained": train[0]["train_s"]},
+                  "trained_while_generating_s": max(0.0, training_s(train[0]) - train[0]["train_s"]),
+                  "then_until_weights_out_s": at[min(at)] - first_trained}
     # Idle: the learner's loop time outside its training and weight send; each rollout server's
     # time with no request in its engine (or paused for a weight update), from its busy clock read
     # at every step, over first to last step record.
@@ -212,10 +217,12 @@ def report(result: dict[str, Any], names: list[str], target: float) -> None:
     ours, theirs = result["rlmesh"]["first_step"], result["trl"]["first_step"]
     result["first_step_ratio"] = ours["total_s"] / theirs["total_s"]
     for name, f in (("rlmesh", ours), ("TRL", theirs)):
-        beside = f.get("trained_while_generating_s")
+        beside, after = f.get("trained_while_generating_s"), f.get("then_until_weights_out_s")
         print(f"{name}: launch -> first trained step {f['total_s']:.1f}s ("
               + ", ".join(f"{k} {v:.1f}s" for k, v in f["parts"].items())
-              + (f"; {beside:.1f}s of training ran while the groups generated" if beside else "") + ")")
+              + (f"; {beside:.1f}s of training ran while the groups generated" if beside else "")
+              + (f"; then {after:.1f}s to the weights out, the first evaluation's last answer awaited"
+                 if after is not None else "") + ")")
     print(f"launch -> first trained step, rlmesh / TRL: {result['first_step_ratio']:.2f}   (target <= 0.5)")
     a, b = result["rlmesh"]["time_to_target_s"], result["trl"]["time_to_target_s"]
     if a is None:

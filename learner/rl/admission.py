@@ -145,6 +145,13 @@ class Admission:
                 self.watch.scored([s.reward for s in valid])
         return not reason
 
+    COUNTERS = ("num_dropped_stale", "num_dropped_other", "num_dropped_invalid", "num_dropped_flat",
+                "num_duplicates", "num_reissued_after_invalid")
+
+    def counters(self) -> dict[str, int]:
+        """What admission counted so far (train records and checkpoints carry them)."""
+        return {name: getattr(self, name) for name in self.COUNTERS}
+
     def take_flat_rewards(self) -> list[float]:
         """The rewards of the samples in groups dropped as all-equal since the last call."""
         rewards, self.flat_rewards = self.flat_rewards, []

@@ -85,6 +85,7 @@ class Controller:
         # Train groups read while evaluating, not yet admitted into the buffer.
         self.held_back: Arrivals = []
         self.max_staleness_seen = 0
+        self.first_due = False  # the first evaluation waits for the first step's groups (train)
         self.resumed_from: int | None = None
         # The prompt top-up after a broadcast, running beside what follows (the next step's training);
         # awaited before anything else issues, checkpoints or evaluates.
@@ -176,10 +177,7 @@ class Controller:
         state = {"trained_groups": sorted(a.trained_groups), "run_id": self.run_id, "train_cursor": self.issuer.cursor,
                  "lr_schedule": {"kind": lr.lr_schedule, "next_lr": learning_rate(lr, self.version)},
                  "first_eval": self.evaluator.first,
-                 "counters": {"num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
-                              "num_dropped_invalid": a.num_dropped_invalid, "num_dropped_flat": a.num_dropped_flat,
-                              "num_duplicates": a.num_duplicates,
-                              "num_reissued_after_invalid": a.num_reissued_after_invalid}}
+                 "counters": a.counters()}
         path = await self._torch(save_checkpoint, self.run_dir / "checkpoints", self.version, self.trainer,
                                  self.model_path, state, self.config.checkpoint.keep_last,
                                  self.config.checkpoint.hf_model)
@@ -226,7 +224,7 @@ class Controller:
                 return ready
             await self._topped_up()  # not the update's completion: a server generates once it holds the version
             await self._reissue_malformed()
-            await self.issuer.issue_train(len(ready), self.version)
+            await self.issuer.issue_train(len(ready), self.version, steps=1 if self.first_due else None)
             arrivals = await self._read(self.version)
 
     def _train_arrived(self, ready: Arrivals) -> None:
@@ -259,15 +257,18 @@ class Controller:
         await self.wait_for_generators()
         first: Round | None = None
         before: dict | None = None  # the starting policy's evaluation (learner.eval_at_start)
-        if cfg.learner.eval_at_start:
-            first = await self._start_first_evaluation() if cfg.learner.eval_overlap else None
-            before = None if first is not None else await self.evaluate()
+        # eval_overlap: the first evaluation goes out once the first step's groups are in (below).
+        self.first_due = cfg.learner.eval_at_start and cfg.learner.eval_overlap
+        if cfg.learner.eval_at_start and not cfg.learner.eval_overlap:
+            before = await self.evaluate()
         ready: Arrivals = []
         t_last = time.monotonic()
         while self.version < cfg.learner.num_steps:
             # Leftovers from the last step are one version older now: re-check them.
             ready = [(e, g) for e, g in ready if not await self.admission.drop_if_stale(e, g, self.version)]
             ready = await self._fill(ready)
+            if self.first_due:
+                first = await self._start_first_evaluation(len(ready))
             # rlmesh.train's callbacks, when attached, have seen the last step before the next one
             # starts; a stop request they made ends the run at that step.
             await wait_until_seen(self.run_dir, self.version)
@@ -287,13 +288,15 @@ class Controller:
             # the prompt top-up started after the last broadcast runs): off the step's critical path.
             await self.reader.admit_during(step, self.version, ready, self.held_back, refill=self._refill)
             train_metrics, t_trained = await step
-            train_s = t_trained - t_step
+            # When the optimizer step ended (wall clock), and what followed it before the weights went out.
+            times = {"train_s": t_trained - t_step, "trained_time": time.time() - (time.monotonic() - t_trained)}
             if first is not None and first.record is None:
                 await self.evaluator.finish(self.version, self.held_back, self._read, first)
+                times["first_eval_wait_s"] = time.monotonic() - t_trained
             self.version += 1
             end_ns = time.time_ns()
             for g in groups:  # each group's trace ends with the step that trained it
-                record_span("train", g.group_id, g.trace_context, end_ns - int(train_s * 1e9), end_ns,
+                record_span("train", g.group_id, g.trace_context, end_ns - int(times["train_s"] * 1e9), end_ns,
                             version=self.version, staleness=staleness(g, self.version - 1))
             for e, g in batch:
                 self.admission.trained(g.group_id)
@@ -309,7 +312,7 @@ class Controller:
             # budget is fixed when it starts, and whatever issues next waits for it first.
             if self.version < cfg.learner.num_steps:
                 self.issuing = asyncio.ensure_future(self._top_up(len(ready), self.version))
-            self._log_step(groups, ages, train_metrics, bc, train_s, t_last)
+            self._log_step(groups, ages, {**train_metrics, **bc, **times}, t_last)
             t_last = time.monotonic()
             every = cfg.checkpoint.every_n_steps
             if every and self.version % every == 0 and self.version < cfg.learner.num_steps:
@@ -327,19 +330,14 @@ class Controller:
         # Groups still in flight when training ends were never trained on; leave them pending.
         return await self._summary(before, after, checkpoint)
 
-    async def _start_first_evaluation(self) -> Round:
-        """The first evaluation, run beside the first step's generation; the first weight update waits
-        for its last answer, so every one comes from this version. Its prompts go out after the first
-        step's groups and before the rest of the bound's: a rollout server claims groups in stream
-        order and vLLM takes them in claim order (rollout.max_num_seqs), so the first step's groups
-        come first (an evaluation issued first, the demo's 64 one-sample groups, kept the learner
-        idle behind it), and the evaluation the first update waits for is not behind the groups of
-        the step after."""
-        if not self.held_back:  # after a resume, what is held back counts against the bound first (_fill)
-            await self.issuer.issue_train(self.k * self.B, self.version)  # one step's worth
+    async def _start_first_evaluation(self, num_buffered: int) -> Round:
+        """The first evaluation, issued once the first step's groups are all in (`_fill` issues one
+        step's worth until then), then the rest of the bound. vLLM takes groups in claim order, so the
+        first step's tail decodes in small, fast batches instead of beside the evaluation, which then
+        runs while the learner trains; the first update waits for its last answer (all from this version)."""
+        self.first_due = False
         first = await self.evaluator.start(self.version)
-        if not self.held_back:
-            await self.issuer.issue_train(0, self.version)  # the rest of the bound
+        await self.issuer.issue_train(num_buffered, self.version)  # the rest of the bound
         return first
 
     async def _timed_step(self, groups: list[common_pb2.TrajectoryGroup], lr: float) -> tuple[dict, float]:
@@ -353,17 +351,14 @@ class Controller:
             metrics = await self._torch(self.trainer.step, self.trainer.objective.sequences(groups), lr)
         return metrics, time.monotonic()
 
-    def _log_step(self, groups, ages, train_metrics, bc, train_s, t_last) -> None:
-        a = self.admission
+    def _log_step(self, groups, ages, timings: dict, t_last: float) -> None:
         now = time.monotonic()
-        record = {"kind": "train", "version": self.version, **groups_record(groups, ages, a.take_flat_rewards())}
+        record = {"kind": "train", "version": self.version,
+                  **groups_record(groups, ages, self.admission.take_flat_rewards())}
         record.update({
-            "tokens_per_s": record["num_tokens"] / max(now - t_last, 1e-6), "step_s": now - t_last, "train_s": train_s,
-            "max_staleness": self.k, "num_dropped_flat": a.num_dropped_flat,
-            "num_dropped_stale": a.num_dropped_stale, "num_dropped_other": a.num_dropped_other,
-            "num_dropped_invalid": a.num_dropped_invalid, "num_duplicates": a.num_duplicates,
-            "num_reissued_after_invalid": a.num_reissued_after_invalid, "in_flight": self.issuer.ledger.in_flight,
-            "num_ranks": self.trainer.world_size, **train_metrics, **bc,
+            "tokens_per_s": record["num_tokens"] / max(now - t_last, 1e-6), "step_s": now - t_last,
+            "max_staleness": self.k, **self.admission.counters(), "in_flight": self.issuer.ledger.in_flight,
+            "num_ranks": self.trainer.world_size, **timings,
             # Each rollout server's cumulative engine-busy seconds (for its idle fraction over a span).
             "rollout_busy_s": {g.generator_id: g.busy_seconds for g in self.membership.generators.values()},
         })

@@ -63,10 +63,11 @@ class PromptIssuer:
     async def publish(self, group: common_pb2.PromptGroup) -> None:
         await self.prompts.publish(*self._record(group))
 
-    async def issue_train(self, num_buffered: int, version: int) -> int:
-        """Top the outstanding train groups (in flight + buffered) back up to the bound; returns
-        how many were issued."""
-        budget = max((self.k + 1) * self.B - self.ledger.in_flight - num_buffered, 0)
+    async def issue_train(self, num_buffered: int, version: int, steps: int | None = None) -> int:
+        """Top the outstanding train groups (in flight + buffered) back up to the bound, or to
+        `steps` steps' worth where that is given (fewer than the bound); returns how many were issued."""
+        steps = self.k + 1 if steps is None else min(steps, self.k + 1)
+        budget = max(steps * self.B - self.ledger.in_flight - num_buffered, 0)
         groups = []
         for _ in range(budget):
             ex = self.train_set.at(self.cursor)

@@ -96,9 +96,9 @@ class LearnerSection(Section):
     the record is written when the last answer is back (`generated_at_versions` says which weights
     answered; newer than `version` if a weight update reached the rollout tier first). false: the
     learner waits for each evaluation, and every answer comes from exactly `version`. The first
-    evaluation also overlaps (its prompts go out right after the first step's, so the learner starts
-    training as soon as it can, and the first weight update waits for its last answer, so it always
-    measures the starting weights); the last always waits."""
+    evaluation also overlaps (its prompts go out once the first step's groups are all in, so those
+    generate alone and it runs while the learner trains them; the first weight update waits for its
+    last answer, so it always measures the starting weights); the last always waits."""
     eval_pass_k: list[int] = []
     """Also report pass@k for these k (e.g. [1, 4, 8]), per environment: every held-out prompt gets `eval_num_samples` completions sampled at rollout.temperature beside its greedy one (empty: greedy accuracy only)."""
     eval_num_samples: int | None = Field(None, ge=1)

@@ -89,12 +89,12 @@ async def test_groups_held_back_during_an_evaluation_are_admitted_even_when_a_ba
     assert controller.held_back == [] and trajectories.acked == ["e9"]
 
 
-async def test_the_first_steps_prompts_go_out_before_the_first_evaluations(tmp_path):
-    """A rollout server claims prompt groups in stream order up to rollout.max_concurrent_groups: with
-    the evaluation's groups first (64 in the demo, its default slot count) the first step's waited
-    behind every one of them, the learner idle. vLLM takes groups in claim order (rollout.max_num_seqs),
-    so the rest of the bound goes out after the evaluation, which the first weight update waits for.
-    After a resume (groups held back) nothing is issued around it: those count against the bound first."""
+async def test_the_first_evaluation_goes_out_once_the_first_steps_groups_are_in(tmp_path):
+    """The first step's groups go out alone: vLLM takes groups in claim order (rollout.max_num_seqs),
+    and an evaluation or the rest of the bound issued beside them took every slot their finished
+    samples freed, so their tail decoded slowly and the learner waited on it. Once they are all in,
+    the evaluation goes out, then the rest of the bound (which the first weight update is not behind).
+    After a resume the groups held back count against the bound first."""
     from rlmesh.learner.data.examples import Example
 
     class Stream:  # the prompt stream, in the order groups were published
@@ -113,16 +113,34 @@ async def test_the_first_steps_prompts_go_out_before_the_first_evaluations(tmp_p
 
     config = load_config(None, ["model.type=hf", "model.path=unused", "algorithm.max_staleness=1",
                                 "learner.groups_per_step=3"])
-    for held_back, want in (([], ["train"] * 3 + ["eval"] * 5 + ["train"] * 3), ([("entry", "group")], ["eval"] * 5)):
+    for held_back, before, after in (([], ["train"] * 3, ["eval"] * 5 + ["train"] * 3),
+                                     ([arrival(i, 0) for i in range(3)], [], ["eval"] * 5 + ["train"] * 3)):
         stream = Stream()
         issuer = PromptIssuer(stream, "run", examples("t", 20), group_size=4, groups_per_step=3, max_staleness=1)
-        evaluator = Evaluator(examples("e", 5), issuer, Stream(), metrics=Log(), check=lambda group, version: "")
-        controller = Controller(config, tmp_path, components(run_id="run", issuer=issuer, evaluator=evaluator))
-        controller.held_back = list(held_back)
-        await controller._start_first_evaluation()
-        splits = [key.split("/")[1] for key in stream.keys]
-        assert splits == want
-        assert issuer.ledger.in_flight == want.count("train")  # (k + 1) * B, the bound, or nothing
+        admission = Admission(Acked(), Log(), max_staleness=1, drop_zero_advantage_groups=False,
+                              ledger=AllIssued(issuer.ledger),
+                              bounds=Bounds(vocab_size=10, max_abs_reward=1e4, max_seq_len=64))
+        evaluator = Evaluator(examples("e", 5), issuer, Acked(), metrics=Log(), check=lambda group, version: "")
+        controller = Controller(config, tmp_path, components(run_id="run", issuer=issuer, evaluator=evaluator,
+                                                             admission=admission, trajectories=Acked()))
+        controller.held_back, controller.first_due = list(held_back), True
+        issued_at_read = []
+
+        async def read(version):  # the issued train groups come back one per read
+            issued_at_read.append(list(stream.keys))
+            key = [k for k in stream.keys if "/train/" in k][len(issued_at_read) - 1]
+            entry, group = arrival(len(issued_at_read), version)
+            group.group_id = group.prompt.group_id = key
+            return [(entry, group)]
+
+        controller._read = read
+        ready = await controller._fill([])
+        assert len(ready) == 3
+        assert all(len(keys) == len(before) for keys in issued_at_read)  # not the bound: one step's worth
+        assert [key.split("/")[1] for key in stream.keys] == before
+        await controller._start_first_evaluation(len(ready))
+        assert [key.split("/")[1] for key in stream.keys] == before + after
+        assert issuer.ledger.in_flight == 3 and not controller.first_due  # the bound, (k + 1) * B, less the batch
 
 
 async def test_groups_train_as_they_are_admitted(tmp_path):
@@ -150,7 +168,7 @@ async def test_groups_train_as_they_are_admitted(tmp_path):
     trajectories = Acked()
     issuer = PromptIssuer(Acked(), "run", [], group_size=4, groups_per_step=4, max_staleness=1)
 
-    async def issue_nothing(*args):
+    async def issue_nothing(*args, **kwargs):
         pass
 
     issuer.issue_train = issue_nothing
