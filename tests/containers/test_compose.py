@@ -330,10 +330,13 @@ def _grow(stack: Stack, learner: str, events: dict) -> None:
     events["all_serving"] = time.time() + 15  # from here to the scale-down, every reward replica serves
     producers = lambda: {g for r in stack.train_rows(learner) for g in r["groups_by_generator"]}  # noqa: E731
     _wait(lambda: joiners <= producers(), 900, f"trained groups from every joined rollout server {joiners}", stack)
-    # Scrape every 5 s, DNS discovery every 15 s: every tier (every replica) up within a minute.
+    # Scrape every 5 s, DNS discovery every 15 s: every tier (every replica) up within a minute. The
+    # rollout servers' token counters restart at 0 with their containers, and the joiner's first groups
+    # can be trained before Prometheus scrapes it again: wait for a scrape that saw tokens generated.
     want = sorted([("learner", 1.0)] + [("reward", 1.0)] * REPLICAS + [("rollout", 1.0)] * REPLICAS)
     deadline = time.monotonic() + 90
-    while (scraped := stack.scraped()).get("up") != want or scraped["policy_version"] <= 0:
+    while not ((scraped := stack.scraped()).get("up") == want and scraped["policy_version"] > 0
+               and scraped["rollout_tokens"] > 0):
         if time.monotonic() > deadline:
             break
         time.sleep(3.0)
