@@ -71,8 +71,10 @@ async def raw_vllm(model_dir: Path, prompts: list[list[int]], n: int, max_tokens
             final = out
         return len(final.outputs[0].token_ids)
 
-    # Warm up on prompts the measured round does not send (with prefix caching they would be cached).
-    await asyncio.gather(*(one(p) for p in (warm_up or prompts[:8])))
+    # Warm up as the mesh side does (8 groups x n samples), on prompts the measured round does not send
+    # (with prefix caching they would be cached): the first batch as large as the measured round's pays
+    # the kernels' first-call costs for its shapes, which 8 lone samples did not.
+    await asyncio.gather(*(one(p) for p in (warm_up or prompts[:8])[:8] for _ in range(n)))
     t0 = time.monotonic()
     counts = await asyncio.gather(*(one(p) for p in prompts for _ in range(n)))
     elapsed = time.monotonic() - t0
