@@ -176,7 +176,7 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated benchmarks to run (default: all)")
     p.add_argument("--real-model", action="store_true",
                    help=f"the performance issue's rows 1-5 on the real-model demo ({DEMO}, {MODEL}, the dtype "
-                        "`rlmesh up` chooses here; about two and a half hours on 2 cores) instead of the default set")
+                        "`rlmesh up` chooses here; about two hours on 2 cores) instead of the default set")
     p.add_argument("--seeds", default="0,1,2", help="--real-model: row 1's seeds")
     args = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
