@@ -5,7 +5,7 @@ import socket
 import threading
 from pathlib import Path
 
-# Ports are picked below the kernel's ephemeral range, from here up: nothing listens there by default.
+# Ports are picked from here up to the kernel's ephemeral range, which the kernel never hands out itself.
 LOWEST = 10000
 _handed_out: set[int] = set()
 _lock = threading.Lock()
