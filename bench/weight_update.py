@@ -19,11 +19,15 @@ baseline: a plain gloo broadcast of the same buckets (same layout, same bytes, t
           faults made it 2-4x slower than the wire: every ratio measured before then is against that
           slower baseline).
 engine:   vLLM's own layerwise reload of the same weights from memory, nothing else running: what the
-          engine costs per update whatever the transport. Timed inside vLLM's own worker process, bound
-          the way the rollout server has vLLM bind it (rollout.cpu_cores "auto" on both sides: the
-          worker's threads on every core but the one vLLM keeps for its scheduler), which is the
-          baseline of the ratio; and, beside it, in a process of its own on every core ("alone": until
-          2026-12-03 the only baseline, although no rollout server's worker gets that placement).
+          engine costs per update whatever the transport. Timed inside vLLM's engine as the rollout
+          server runs it (rollout.cpu_cores "auto" on both sides, and the server's executor,
+          `rlmesh.rollout_server.vllm_engine.executor_args`: on a CPU the model in vLLM's engine-core
+          process, whose threads vLLM does not bind), which is the baseline of the ratio; and, beside
+          it, in a process of its own on every core ("alone"). From 2026-12-03 until 2026-12-06 the
+          baseline was vLLM's default worker process bound to all cores but one (1 thread on 2 cores:
+          0.23 s against 0.19 s on the server's executor), a placement the server had stopped using when
+          its engine moved into the engine-core process: every ratio in that window is against a
+          slower reload than the server's.
 passes:   what each extra pass over the bytes costs alone on this machine (a copy on one thread,
           each digest as the transport takes it), printed beside the table: on one host the two
           ends share the cores, so the update cannot cost less than the raw broadcast plus these
@@ -73,10 +77,11 @@ import glob, json, os, sys, time
 model_dir, rounds, dtype, placement = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 if placement == "alone":  # the worker in this process, unbound: every core of the machine
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-else:  # vLLM's own worker process, bound as a rollout server's (rollout.cpu_cores: VLLM_CPU_OMP_THREADS_BIND)
+else:  # vLLM's engine as a rollout server runs it (rollout.cpu_cores: VLLM_CPU_OMP_THREADS_BIND; its executor)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the function below runs in the worker
 from vllm import LLM
+from rlmesh.rollout_server.vllm_engine import executor_args
 
 
 def reload_rounds(worker, model_dir, rounds, dtype):
@@ -96,7 +101,8 @@ def reload_rounds(worker, model_dir, rounds, dtype):
     return {"times": times[1:], "threads": torch.get_num_threads(), "cores": sorted(os.sched_getaffinity(0))}
 
 
-llm = LLM(model=model_dir, max_model_len=128, enforce_eager=True, dtype=dtype)
+llm = LLM(model=model_dir, max_model_len=128, enforce_eager=True, dtype=dtype,
+          **({} if placement == "alone" else executor_args()))
 if placement == "alone":
     out = reload_rounds(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker, model_dir,
                         rounds, dtype)
@@ -110,9 +116,9 @@ def engine_reload(model_dir: Path, rounds: int, dtype: str, placement: str) -> d
     """vLLM's own layerwise reload of the model's weights from memory, with no transfer and nothing
     else running: what the engine costs per update whatever the transport (on CPU: each layer
     materialized, loaded, and its GEMM weights repacked for oneDNN). `placement`: the cores as the
-    rollout server gives them to vLLM (its rollout.cpu_cores, e.g. "auto": vLLM's worker process
-    bound to all cores but the one vLLM reserves for its scheduler), timed inside that worker; or
-    "alone": the worker in a process of its own, unbound, on every core. {"times", "threads", "cores"}."""
+    rollout server gives them to vLLM (its rollout.cpu_cores, e.g. "auto"), with the server's
+    executor, timed where the model runs (on a CPU, vLLM's engine-core process); or "alone": the
+    model in this process of its own, unbound, on every core. {"times", "threads", "cores"}."""
     out = subprocess.run([sys.executable, "-c", ENGINE_RELOAD, str(model_dir), str(rounds), dtype, placement],
                          cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -365,7 +371,7 @@ def main() -> None:
         print(f"{name}: median phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in r["phases_s"].items())
               + f"; raw rounds {[round(x, 4) for x in r['raw_all_s']]}, updates {[round(x, 4) for x in r['update_all_s']]}")
         if "engine_ratio" in r:
-            print(f"{name}: update / (raw broadcast + vLLM's own reload in its worker, bound as the server binds it) "
+            print(f"{name}: update / (raw broadcast + vLLM's own reload in its engine as the server runs it) "
                   f"{r['engine_ratio']:.2f} (target <= 1.15); against the reload alone on every core "
                   f"{r['engine_alone_ratio']:.2f}")
         size = name.split("/")[0]
@@ -373,7 +379,7 @@ def main() -> None:
             sizes_shown.add(size)
             placed, alone = r["engine_reload_placement"], r["engine_reload_alone"]
             print(f"{size}: vLLM's own reload of these weights from memory, median: {r['engine_reload_s']:.4f} s in "
-                  f"its worker as the server binds it (rollout.cpu_cores={SERVED_CORES}: {placed['threads']} thread(s) "
+                  f"vLLM's engine as the server runs it (rollout.cpu_cores={SERVED_CORES}: {placed['threads']} thread(s) "
                   f"on cores {placed['cores']}; rounds {[round(x, 4) for x in placed['times']]}), "
                   f"{r['engine_reload_alone_s']:.4f} s alone ({alone['threads']} thread(s) on cores {alone['cores']}; "
                   f"rounds {[round(x, 4) for x in alone['times']]})")

@@ -283,7 +283,10 @@ def spare_cores() -> set[int]:
     worker with its OpenMP threads bound to one place (OMP_PLACES), the cores it picked, which is
     the main thread's affinity; with rollout.cpu_cores "auto" it keeps a core out of it for its
     scheduler and front end (idle while an update has the engine paused). Empty where vLLM was
-    given every core (a list of cores, "nobind") or binds nothing (an accelerator)."""
+    given every core (a list of cores, "nobind"), binds nothing (an accelerator), or runs the model
+    in its engine-core process (`vllm_engine.executor_args`, the server's choice on a CPU), whose
+    threads it leaves on every core of the server. There, narrowing the load to one core and giving
+    the other to the wire was measured slower than receiving first (docs/performance-log.md, 2026-12-06)."""
     from rlmesh.services.affinity import server_cores
 
     return server_cores() - os.sched_getaffinity(0)
