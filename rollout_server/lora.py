@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlmesh.rollout_server.weight_engine import ADAPTER_ENGINE, ROOT_ENV, version_dir
+from rlmesh.services.scratch import process_scratch
 from rlmesh.services.weights.lora import ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
@@ -27,6 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ROOT_PREFIX = "rlmesh-lora-"
+"""Where a server's adapter directories live: a directory of its own under the temporary directory."""
 KEEP_VERSIONS = 8
 """Adapter directories kept: a request paused across updates may still need its adapter loaded."""
 
@@ -39,7 +40,8 @@ class ServedAdapter:
 
     def __init__(self, cfg: LoRASection) -> None:
         self.cfg = cfg
-        self.root = Path(tempfile.mkdtemp(prefix="rlmesh-lora-"))
+        # Removed at close; one a killed server left is removed by the next (`services.scratch`).
+        self.root = process_scratch(ROOT_PREFIX)
         os.environ[ROOT_ENV] = str(self.root)  # inherited by the worker processes vLLM spawns
         self.request = None
         self._next_id = 0

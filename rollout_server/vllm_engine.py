@@ -5,18 +5,17 @@ plane), pause / resume for an update, and shut-down. Sampling from it: `generato
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import gc
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlmesh.services.affinity import SERVER_CORES_ENV, format_cores, pin_to_cores
+from rlmesh.services.scratch import process_scratch
 
 if TYPE_CHECKING:
     from rlmesh.rollout_server.lora import ServedAdapter
@@ -27,25 +26,6 @@ log = logging.getLogger(__name__)
 RPC_DIR_PREFIX = "rlmesh-vllm-"
 
 
-def remove_orphaned_rpc_dirs(tmp: Path) -> list[Path]:
-    """A server killed outright (SIGKILL, OOM) cannot remove its socket directory: the next server
-    to start removes each one of this user's whose server (the pid written in it) is gone. A
-    directory whose pid is alive, or that has none, is left alone. Returns what was removed."""
-    removed = []
-    for d in tmp.glob(RPC_DIR_PREFIX + "*"):
-        try:
-            if d.is_symlink() or d.stat().st_uid != os.getuid():
-                continue
-            pid = int((d / "pid").read_text())
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-        except (OSError, ValueError):  # no pid file, unreadable, or a live process of another user
-            continue
-    return removed
-
-
 def configure_vllm_env(cfg: RolloutSection) -> str | None:
     """vLLM-CPU reads these at engine start-up. Returns the socket directory made for vLLM, if one was."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
@@ -54,12 +34,10 @@ def configure_vllm_env(cfg: RolloutSection) -> str | None:
     # vLLM leaves its ZeroMQ sockets in the base path it is given (/tmp by default, a few per engine
     # start): give it a directory of this server's own, removed when the server exits
     # (`VLLMGenerator.shutdown` removes it; atexit too, for an exit that never shut the engine down).
+    # A server killed outright leaves its directory: the next one removes it (`services.scratch`).
     rpc = None
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        remove_orphaned_rpc_dirs(Path(tempfile.gettempdir()))
-        rpc = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=RPC_DIR_PREFIX)
-        (Path(rpc) / "pid").write_text(str(os.getpid()))
-        atexit.register(shutil.rmtree, rpc, ignore_errors=True)
+        rpc = os.environ["VLLM_RPC_BASE_PATH"] = str(process_scratch(RPC_DIR_PREFIX))
     # vLLM-CPU compiles its sampler ops with inductor (C++) on the first batch, even with
     # enforce_eager: keep the artifacts where the next run finds them (torch's default is under
     # /tmp, a tmpfs in the containers), so only the first run on a machine pays for the compile.

@@ -37,12 +37,24 @@ from rlmesh.reward_server.environments.agent_process import kill_episode
 from rlmesh.reward_server.environments.base import ScoreOutput
 from rlmesh.services.config import RewardSection, default
 from rlmesh.services.domain.scoring import as_finite
+from rlmesh.services.scratch import process_scratch
 from rlmesh.reward_server.function_workers import worker_env
 
 log = logging.getLogger(__name__)
 
 _LAUNCHER = "rlmesh.reward_server.environments.agent_process"
 _ERR_TAIL = 2000
+
+
+_EPISODES_ROOT: list[str] = []
+
+
+def episodes_root() -> str:
+    """This process's directory for its episodes' own (made on first use, removed at exit; one a
+    reward server killed outright left is removed by the next to make one: `services.scratch`)."""
+    if not _EPISODES_ROOT:
+        _EPISODES_ROOT.append(str(process_scratch("rlmesh-agent-")))
+    return _EPISODES_ROOT[0]
 
 
 class LauncherGone(Exception):
@@ -179,7 +191,7 @@ class AgentEnvironment:
     async def _run(self, prompt: list[dict], metadata: dict, base_url: str, api_key: str) -> ScoreOutput:
         # The task, answer and log are files in a directory only this user can read; beside them the
         # episode's own temporary directory (TMPDIR), gone with the episode.
-        with tempfile.TemporaryDirectory(prefix="rlmesh-agent-", ignore_cleanup_errors=True) as tmp:
+        with tempfile.TemporaryDirectory(prefix="episode-", dir=episodes_root(), ignore_cleanup_errors=True) as tmp:
             own_tmp = os.path.join(tmp, "tmp")
             os.mkdir(own_tmp, 0o700)
             episode_env = {**self.tls_env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "TMPDIR": own_tmp}
