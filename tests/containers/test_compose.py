@@ -274,6 +274,7 @@ def run(tmp_path_factory, rlmesh_images):
         events["follow_up"] = _run_follow_ups()
     finally:
         stack.compose("down", "-v", "--remove-orphans")
+        shutil.rmtree(config_dir, ignore_errors=True)
     label = f"label=com.docker.compose.project={PROJECT}"
     events["left"] = {
         "containers": stack.containers(),
