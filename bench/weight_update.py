@@ -23,11 +23,9 @@ engine:   vLLM's own layerwise reload of the same weights from memory, nothing e
           server runs it (rollout.cpu_cores "auto" on both sides, and the server's executor,
           `rlmesh.rollout_server.vllm_engine.executor_args`: on a CPU the model in vLLM's engine-core
           process, whose threads vLLM does not bind), which is the baseline of the ratio; and, beside
-          it, in a process of its own on every core ("alone"). From 2026-12-03 until 2026-12-06 the
-          baseline was vLLM's default worker process bound to all cores but one (1 thread on 2 cores:
-          0.23 s against 0.17-0.24 s on the server's executor): the server's own placement until its
-          engine moved into the engine-core process (70eb84a, 2026-12-05 05:37 UTC); every ratio
-          measured after that and before this change is against another reload than the server's.
+          it, in a process of its own on every core ("alone"). Until 2026-12-06 the baseline was vLLM's
+          default worker bound to all cores but one (1 thread here: 0.23 s), the server's placement only
+          until 70eb84a (2026-12-05 05:37 UTC): ratios between the two are against another reload.
 passes:   what each extra pass over the bytes costs alone on this machine (a copy on one thread,
           each digest as the transport takes it), printed beside the table: on one host the two
           ends share the cores, so the update cannot cost less than the raw broadcast plus these
