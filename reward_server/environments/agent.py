@@ -46,15 +46,11 @@ _LAUNCHER = "rlmesh.reward_server.environments.agent_process"
 _ERR_TAIL = 2000
 
 
-_EPISODES_ROOT: list[str] = []
-
-
+@functools.cache
 def episodes_root() -> str:
     """This process's directory for its episodes' own (made on first use, removed at exit; one a
     reward server killed outright left is removed by the next to make one: `services.scratch`)."""
-    if not _EPISODES_ROOT:
-        _EPISODES_ROOT.append(str(process_scratch("rlmesh-agent-")))
-    return _EPISODES_ROOT[0]
+    return str(process_scratch("rlmesh-agent-"))
 
 
 class LauncherGone(Exception):
