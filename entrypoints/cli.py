@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = _PLAIN_COMMANDS.get(args.command)
     if plain is not None:
         return plain(args)
-    from rlmesh.services.config import ConfigError, load_config
+    from rlmesh.services.config import ConfigError, HFModelSection, load_config
 
     try:
         config = load_config(args.config, args.overrides)
@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"rlmesh {args.command}: {problem}", file=sys.stderr)
             return 2
+    if args.command in ("sft", "dpo") and isinstance(config.model, HFModelSection):
+        from rlmesh.preflight import check_model_fits
+
+        check_model_fits(config, config.model.path, args.command)  # before a trainer is built
     command = _CONFIG_COMMANDS[args.command]
     if isinstance(command, str):
         module, name = command.split(":")

@@ -23,7 +23,7 @@ from rlmesh.env_servers import start_env_servers
 from rlmesh.learner.rl.watch import STALLED_EXIT
 from rlmesh.preflight import check_model_fits, printable
 from rlmesh.processes import Mesh, Service, stop_signals_interrupt
-from rlmesh.services.config import RunConfig, dump_config
+from rlmesh.services.config import HFModelSection, RunConfig, dump_config
 from rlmesh.services.ports import free_port
 from rlmesh.services.retry import Backoff
 
@@ -43,6 +43,10 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
     from rlmesh.services.telemetry import setup_logging
 
     setup_logging("up", config.logging.level, fmt=config.logging.format)
+    # A model that is not there or does not fit is refused before anything is made or started.
+    _check_model_path(config)
+    if isinstance(config.model, HFModelSection):
+        check_model_fits(config, config.model.path, "up")
     run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
@@ -84,8 +88,6 @@ def new_run_dir(config: RunConfig) -> Path:
 
 def _check_model_path(config: RunConfig) -> None:
     """Fail before starting anything when model.path names a local directory that is not there."""
-    from rlmesh.services.config import HFModelSection
-
     if not isinstance(config.model, HFModelSection):
         return
     path = config.model.path
@@ -97,16 +99,11 @@ def _check_model_path(config: RunConfig) -> None:
 
 def _run(mesh: Mesh, config: RunConfig, run_dir: Path,
          on_row: Callable[[dict[str, Any]], None] | None = None) -> int:
-    from rlmesh.services.config import HFModelSection
-
     # A run directory used again (`--run-dir`: the learner resumes from its newest checkpoint) holds
     # the earlier processes' rows: only rows written from here on are shown, and the bar follows the
     # version (a resumed learner goes back to its checkpoint's).
     metrics = _Tail(run_dir / "metrics.jsonl", skip_existing=True)
 
-    _check_model_path(config)
-    if isinstance(config.model, HFModelSection):
-        check_model_fits(config, config.model.path, "up")
     from rlmesh.services.precision import resolve_precision
 
     # Measured once here (learner.backend.param_dtype=auto, rollout.dtype=learner), so every tier agrees.

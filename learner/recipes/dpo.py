@@ -101,7 +101,6 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
 
     cfg = config.dpo
     output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     if config.learner.micro_batch_size % 2:
         raise ValueError(f"learner.micro_batch_size={config.learner.micro_batch_size}: DPO keeps each (chosen, rejected) "
                          "pair in one micro-batch, so it must be even")
@@ -110,6 +109,7 @@ def run_dpo(config: RunConfig, output: str | Path, *, show_progress: bool | None
         raise ValueError("rlmesh dpo computes the reference logprobs of every training pair before its first step, "
                          "so it needs the pairs in memory: set data.streaming=false")
     train_set, eval_set = preference_pairs(list(train_data), "train"), preference_pairs(eval_set, "held-out")
+    output.mkdir(parents=True, exist_ok=True)  # once the config and the pairs are known to fit
     if config.sft.num_steps > 0:
         model_dir = str(run_sft(config, output / "sft_model", show_progress=show_progress))
     else:

@@ -180,10 +180,23 @@ def format_validation_error(err: ValidationError) -> str:
             _, parent = _config_path(tuple(e["loc"][:-1]))
             allowed = sorted(parent.model_fields) if isinstance(parent, type) else None
             msg = f"unknown key '{keys[-1]}'" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
-        elif "input" in e and e["type"] not in ("missing",):
-            msg = f"{msg} (got {e['input']!r})"
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+            # A section's own check names the keys it is about; echoing the section (the whole config
+            # at the root) would bury that line.
+            msg = f"{msg} (got {_shown(e['input'])})"
         lines.append(f"  {where}: {msg}")
     return "invalid config:\n" + "\n".join(lines)
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """A rejected value as an error shows it: a URL's password masked, long values cut."""
+    if isinstance(value, str) and "://" in value:
+        try:
+            value = redact_url(value)
+        except ValueError:  # not a URL after all (or one urlsplit cannot take): shown as given
+            pass
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -49,3 +49,26 @@ def test_a_model_not_fetched_yet_is_refused_at_once_with_the_fetch_command(tmp_p
     with pytest.raises(SystemExit, match=r"rlmesh eval: model.path=./my-model is not a directory here.*"
                                          r"smollm2-135m-instruct, gemma3-270m.*convert-gguf"):
         check_model_fits(_config("./my-model"), "./my-model", "eval")
+
+
+def test_rlmesh_up_refuses_a_missing_model_before_making_a_run_directory(tmp_path):
+    """A typo in model.path leaves nothing behind: no run directory, no config, no service started."""
+    import argparse
+
+    from rlmesh.up import run_up
+
+    config = load_config(None, ["model.type=hf", f"model.path={tmp_path}/no-such-model",
+                                f"run.output_dir={tmp_path}/runs"])
+    with pytest.raises(SystemExit, match=r"rlmesh up: model.path=.*no-such-model.* does not exist"):
+        run_up(config, argparse.Namespace(run_dir=None))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_rlmesh_sft_and_dpo_refuse_a_missing_model_by_name_not_with_a_traceback(tmp_path, command):
+    from rlmesh.cli import main
+
+    with pytest.raises(SystemExit, match=rf"rlmesh {command}: model.path=.*no-such-model is not a directory here"):
+        main([command, "--output", str(tmp_path / "out"), f"{command}.num_steps=1", "learner.max_tokens_per_micro_batch=0",
+              "model.type=hf", f"model.path={tmp_path}/no-such-model"])
+    assert not (tmp_path / "out").exists()

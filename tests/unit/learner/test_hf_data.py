@@ -131,10 +131,11 @@ def test_streaming_reads_epochs_in_a_seeded_order_and_resumes_from_a_cursor():
     assert [ex.id for ex in train.draw(random.Random(0), 3)] == order[:3]  # SFT reads a stream in order
 
 
-def test_rlmesh_dpo_needs_the_pairs_in_memory():
+def test_rlmesh_dpo_needs_the_pairs_in_memory(tmp_path):
     from rlmesh.learner.recipes.dpo import run_dpo
 
     config = load_config(None, ["data.type=hf", f"data.path={SAMPLE}/train.jsonl", f"data.eval_path={SAMPLE}/test.jsonl",
                                 "data.prompt_key=question", "data.streaming=true", "dpo.num_steps=1"])
     with pytest.raises(ValueError, match="set data.streaming=false"):
-        run_dpo(config, "/nonexistent/never-written")
+        run_dpo(config, tmp_path / "never-written")
+    assert not (tmp_path / "never-written").exists()  # refused before any output is made

@@ -130,6 +130,16 @@ def test_an_error_inside_a_union_member_names_the_key_the_user_wrote():
     assert "calculator" not in message
 
 
+def test_an_error_shows_the_value_given_but_not_a_password_nor_the_whole_config():
+    message = _error("run.seed=redis://:s3cret@queue:6379")  # a URL pasted into the wrong key
+    assert "  run.seed: Input should be a valid integer" in message and "redis://:***@queue:6379" in message
+    assert "s3cret" not in message
+    # A check of the whole config names its keys; the config itself is not echoed after it.
+    message = _error("dpo.num_steps=2", "learner.max_tokens_per_micro_batch=2048", "run.name=findme")
+    assert "set learner.max_tokens_per_micro_batch=0 for a DPO run" in message and "findme" not in message
+    assert len(_error("learner.lr=" + "9" * 500)) < 400  # a long value is cut
+
+
 def _tagged_sections():
     """(dotted section, tag) for every member of every discriminated union in RunConfig, read
     from the annotations: a union type added later is covered without touching this test."""
