@@ -234,13 +234,18 @@ def _tiny_model(config, args) -> int:
 
 
 def _cannot_serve(config, tier: str) -> str | None:
-    """Why this tier may not start with these credentials (see `check_can_serve`), before anything heavy loads."""
+    """Why this tier may not start with these credentials (see `check_can_serve`) or this queue.url,
+    before anything heavy loads."""
     from rlmesh.services.auth import TLSFiles, check_can_serve, load_token
 
     net = config.network
     try:
         check_can_serve(net.host, token=load_token(net.token_file, net.token_env),
                         tls=TLSFiles.from_config(net, tier), insecure=net.insecure)
+        if tier in ("learner", "rollout"):  # the tiers that work the trajectory queue
+            from rlmesh.services.queue import check_url
+
+            check_url(config.queue.url)
     except ValueError as err:
         return str(err)
     return None

@@ -31,7 +31,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlmesh.services.auth import read_secret
-from rlmesh.services.config import REDACTED, QueueSection, default
+from rlmesh.services.config import REDACTED, QueueSection, default, redact_url
 from rlmesh.services.retry import Backoff, describe_error, retry
 
 if TYPE_CHECKING:
@@ -94,17 +94,23 @@ class QueueDepth:
     """Not yet delivered to any consumer."""
 
 
-def connect(url: str, *, username: str | None = None, password: str | None = None,
-            ssl: dict[str, str] | None = None) -> aioredis.Redis:
-    """A client for `url`; `ssl` holds redis-py's ssl_* file options for a rediss:// URL."""
+def check_url(url: str) -> None:
+    """Raise ValueError, saying what to give instead, unless `url` is one a service can dial (run
+    before a tier loads anything heavy: `rlmesh rollout` and `rlmesh learner` check it first)."""
     if url == "embedded":
         raise ValueError("queue.url is 'embedded': only `rlmesh up` starts an embedded queue server; a service run "
                          "on its own needs queue.url=redis://HOST:PORT of a running Valkey/Redis")
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"queue.url={url!r} is not a redis:// (or rediss://, unix://) URL")
+        raise ValueError(f"queue.url={redact_url(url)!r} is not a redis:// (or rediss://, unix://) URL")
     if urlsplit(url).password == REDACTED:
         raise ValueError("queue.url holds a redacted password ('***'); give the password with queue.password_file "
                          "or the variable named by queue.password_env")
+
+
+def connect(url: str, *, username: str | None = None, password: str | None = None,
+            ssl: dict[str, str] | None = None) -> aioredis.Redis:
+    """A client for `url`; `ssl` holds redis-py's ssl_* file options for a rediss:// URL."""
+    check_url(url)
     extra = dict(ssl or {}) if url.startswith("rediss://") else {}
     return aioredis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=5, health_check_interval=30,
                                    username=username, password=password, **extra)

@@ -1,8 +1,9 @@
-"""A model that does not fit is refused before anything starts, saying why and what to do: an
-architecture the weight broadcast is not proven to keep in sync, and a chat prompt format for a
-tokenizer without a template."""
+"""What is refused before anything starts, saying why and what to do: a model that is missing or
+does not fit (an architecture the weight broadcast is not proven to keep in sync, a chat prompt
+format for a tokenizer without a template), and a queue URL a tier started on its own cannot dial."""
 
 import json
+import re
 
 import pytest
 
@@ -72,3 +73,21 @@ def test_rlmesh_sft_and_dpo_refuse_a_missing_model_by_name_not_with_a_traceback(
         main([command, "--output", str(tmp_path / "out"), f"{command}.num_steps=1", "learner.max_tokens_per_micro_batch=0",
               "model.type=hf", f"model.path={tmp_path}/no-such-model"])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tier", ["rollout", "learner"])
+@pytest.mark.parametrize("url, says", [("embedded", "only `rlmesh up` starts an embedded queue server"),
+                                       ("http://:s3cret@queue:6379", r"queue.url='http://:\*\*\*@queue:6379' is not a "
+                                                                      r"redis://")])
+def test_a_tier_on_its_own_refuses_a_queue_url_it_cannot_dial_before_loading_anything(tmp_path, capsys, tier, url, says):
+    """`rlmesh rollout -c examples/...` (queue.url: embedded) used to load vLLM for 20 s, then raise."""
+    import time
+
+    from rlmesh.cli import main
+
+    t0 = time.monotonic()
+    assert main([tier, "--run-dir", str(tmp_path / "run"), "network.insecure=true", f"queue.url={url}"]
+                if tier == "learner" else [tier, "network.insecure=true", f"queue.url={url}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"rlmesh {tier}: .*{says}", err) and "s3cret" not in err
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "run").exists()
