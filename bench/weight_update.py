@@ -12,24 +12,16 @@ measured: the learner's real broadcaster (gloo transport) into a real `rlmesh ro
           `settled()`: transfer done, every server replied, digest checked).
 baseline: a plain gloo broadcast of the same buckets (same layout, same bytes, two in flight, no
           digest on either side) from this process to a second plain process on the same machine
-          (the vLLM worker process cannot be reused for it, so a fresh process stands in). Both sides
-          keep their buffers across rounds, as the mesh does: the sender's buckets are flattened once,
-          before any round, and the receiver lands every round in the same buffers (until
-          2026-11-24 23:30 UTC the baseline received into fresh 64 MiB buffers each round, and page
-          faults made it 2-4x slower than the wire: every ratio measured before then is against that
-          slower baseline).
+          (a fresh process stands in for the vLLM worker). Both keep their buffers across rounds, as
+          the mesh does; the receiver exits after the last update (until 2026-12-06, during it).
 engine:   vLLM's own layerwise reload of the same weights from memory, nothing else running: what the
           engine costs per update whatever the transport. Timed inside vLLM's engine as the rollout
-          server runs it (rollout.cpu_cores "auto" on both sides, and the server's executor,
-          `rlmesh.rollout_server.vllm_engine.executor_args`: on a CPU the model in vLLM's engine-core
-          process, whose threads vLLM does not bind), which is the baseline of the ratio; and, beside
-          it, in a process of its own on every core ("alone"). Until 2026-12-06 the baseline was vLLM's
-          default worker bound to all cores but one (1 thread here: 0.23 s), the server's placement only
-          until 70eb84a (2026-12-05 05:37 UTC): ratios between the two are against another reload.
-passes:   what each extra pass over the bytes costs alone on this machine (a copy on one thread,
-          each digest as the transport takes it), printed beside the table: on one host the two
-          ends share the cores, so the update cannot cost less than the raw broadcast plus these
-          passes spread over the cores.
+          server runs it (rollout.cpu_cores "auto", the server's executor, `vllm_engine.executor_args`:
+          on a CPU the model in vLLM's engine-core process, its threads unbound), the ratio's
+          baseline; and, beside it, in a process of its own on every core ("alone").
+passes:   each extra pass over the bytes alone (a copy on one thread, each digest as the transport
+          takes it): on one host both ends share the cores, so the update cannot cost less than the
+          raw broadcast plus these passes spread over the cores.
 Rows: the tiny demo model and a locally built Qwen2 of >= 100M parameters (full weights), and a LoRA
 adapter (`--lora 100m:16`: the learner's FSDP2 + peft backend in this process, learner.lora.rank 16,
 streaming only the adapter to a rollout server serving it with vLLM's LoRA). Run:
@@ -57,6 +49,7 @@ SIZES = {"tiny": dict(), "100m": dict(hidden_size=1024, num_layers=9, num_heads=
 
 RAW_RECEIVER = """
 import json, sys
+import torch
 from rlmesh.services.weights.base import Rendezvous
 from rlmesh.services.weights.gloo import join_group, receive
 from rlmesh.services.weights.wire import TensorMeta, WireBuffers
@@ -68,6 +61,8 @@ buffers = WireBuffers()  # kept across rounds, like a rollout worker's
 for _ in range(spec["rounds"]):
     for _ in receive(group, metas, into=buffers):
         pass
+# Exit only when told: torch's teardown beside the last timed update would slow it.
+group.broadcast(torch.zeros(1), 0).wait()
 """
 
 ENGINE_RELOAD = """
@@ -129,6 +124,8 @@ def engine_reload(model_dir: Path, rounds: int, dtype: str, placement: str) -> d
 
 def raw_broadcaster(named, rounds: int, tmp: Path):
     """A plain gloo broadcast to a second process, ready to send `rounds` times: (send, close)."""
+    import torch
+
     from rlmesh.services.config import WeightSyncSection
     from rlmesh.services.weights import build_sender
     from rlmesh.services.weights.wire import describe, flat_buckets
@@ -159,7 +156,11 @@ def raw_broadcaster(named, rounds: int, tmp: Path):
         plain_send()
         return time.perf_counter() - t0
 
-    return timed_send, lambda: child.wait(timeout=120)
+    def close() -> None:  # after every round of both sides: the receiver exits now
+        transport.group.broadcast(torch.zeros(1), 0).wait()
+        child.wait(timeout=120)
+
+    return timed_send, close
 
 
 async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path, digests: list[str],
