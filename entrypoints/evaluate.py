@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -237,12 +238,18 @@ def run_stand_in(command: str, config: RunConfig, resolved: RunConfig, output: P
 
 def run_eval(config: RunConfig, args: argparse.Namespace) -> int:
     output = Path(args.output or Path(config.run.output_dir) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    made = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     try:
-        model = resolve_model(args.model, output)
-    except ValueError as err:
-        raise SystemExit(f"rlmesh eval: {err}") from None
-    check_model_fits(config, str(model), "eval")
+        try:
+            model = resolve_model(args.model, output)
+        except ValueError as err:
+            raise SystemExit(f"rlmesh eval: {err}") from None
+        check_model_fits(config, str(model), "eval")
+    except BaseException:
+        if made:  # a model that is not there or does not fit leaves no output behind
+            shutil.rmtree(output, ignore_errors=True)
+        raise
     resolved = config.model_copy(deep=True)
     resolved.model = HFModelSection(path=str(model.resolve()))
     resolved.sft.num_steps = 0

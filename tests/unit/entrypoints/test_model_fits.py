@@ -91,3 +91,12 @@ def test_a_tier_on_its_own_refuses_a_queue_url_it_cannot_dial_before_loading_any
     err = capsys.readouterr().err
     assert re.search(rf"rlmesh {tier}: .*{says}", err) and "s3cret" not in err
     assert time.monotonic() - t0 < 10 and not (tmp_path / "run").exists()
+
+
+def test_rlmesh_eval_of_a_missing_model_leaves_no_output_directory(tmp_path, monkeypatch):
+    from rlmesh.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"rlmesh eval: --model '/no/such/model' is neither an HF model directory"):
+        main(["eval", "--model", "/no/such/model", "run.output_dir=runs"])
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
