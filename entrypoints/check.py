@@ -145,9 +145,9 @@ def run_check(config: RunConfig, args: argparse.Namespace) -> int:
     if not isinstance(config.model, HFModelSection):
         raise SystemExit("rlmesh check: needs model.type=hf with model.path (a tiny random model has nothing to "
                          "check)")
+    check_model_fits(config, config.model.path, "check")  # before any output is made
     output = Path(args.output or Path(config.run.output_dir) / f"check-{time.strftime('%Y%m%d-%H%M%S')}")
     output.mkdir(parents=True, exist_ok=True)
-    check_model_fits(config, config.model.path, "check")
     try:
         fmt, tokens = rendered_prompt(config, config.model.path)
     except ValueError as err:

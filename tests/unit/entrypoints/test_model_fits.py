@@ -93,10 +93,14 @@ def test_a_tier_on_its_own_refuses_a_queue_url_it_cannot_dial_before_loading_any
     assert time.monotonic() - t0 < 10 and not (tmp_path / "run").exists()
 
 
-def test_rlmesh_eval_of_a_missing_model_leaves_no_output_directory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("argv, says", [
+    (["eval", "--model", "/no/such/model"], r"rlmesh eval: --model '/no/such/model' is neither an HF model directory"),
+    (["check", "model.type=hf", "model.path=/no/such/model"], r"rlmesh check: model.path=/no/such/model is not a "
+                                                              r"directory here")])
+def test_rlmesh_eval_and_check_of_a_missing_model_leave_no_output_directory(tmp_path, monkeypatch, argv, says):
     from rlmesh.cli import main
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match=r"rlmesh eval: --model '/no/such/model' is neither an HF model directory"):
-        main(["eval", "--model", "/no/such/model", "run.output_dir=runs"])
+    with pytest.raises(SystemExit, match=says):
+        main([*argv, "run.output_dir=runs"])
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
