@@ -26,10 +26,8 @@ def serve_metrics(config: RunConfig, tier: str, name: str | None = None, run_dir
     port, name = config.logging.metrics_port, name or tier
     if port is None:
         return None
-    from prometheus_client import start_http_server
-
     host = config.network.host
-    server, _thread = start_http_server(port, addr=host)
+    server = metrics_server(host, port)
     port = server.server_port
     run_dir = run_dir or (Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None)
     if run_dir is not None:
@@ -39,6 +37,62 @@ def serve_metrics(config: RunConfig, tier: str, name: str | None = None, run_dir
         path.write_text(json.dumps({"service": name, "tier": tier, "host": host, "port": port, "pid": os.getpid()}))
     log.info("prometheus metrics of %s on http://%s:%d/metrics", name, host, port)
     return port
+
+
+MAX_CONNECTIONS = 16
+"""Connections the /metrics endpoint serves at once; one more is closed at once (a scraper needs one)."""
+IDLE_S = 10.0
+"""A connection that sends nothing for this long is dropped (a stranger holding sockets open ties up nothing)."""
+
+
+def metrics_server(host: str, port: int):
+    """prometheus_client's /metrics app on a threaded HTTP server (a daemon thread) that is bounded,
+    unlike its own `start_http_server`: at most MAX_CONNECTIONS at a time, each dropped after IDLE_S
+    of silence, so many or idle connections from whoever reaches the port cannot pile up threads in
+    the service. Returns the server (`server_port`: the port bound; `shutdown()` stops it)."""
+    import socket
+    import sys
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+    from socketserver import ThreadingMixIn
+
+    class Handler(WSGIRequestHandler):
+        timeout = IDLE_S
+
+        def log_message(self, format: str, *args) -> None:  # one line per scrape would flood the log
+            pass
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        request_queue_size = 64  # connections the kernel holds until accepted (socketserver's default: 5)
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+        def process_request(self, request, client_address) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)  # full: this one is closed, the ones being served go on
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request, client_address) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+        def handle_error(self, request, client_address) -> None:
+            if not isinstance(sys.exc_info()[1], OSError):  # a dropped or timed-out peer is no error of ours
+                log.warning("/metrics request from %s failed", client_address[0], exc_info=True)
+
+    server = make_server(host, port, make_wsgi_app(), Server, handler_class=Handler)
+    threading.Thread(target=server.serve_forever, name="rlmesh-metrics", daemon=True).start()
+    return server
 
 
 def safe_name(name: str) -> str:

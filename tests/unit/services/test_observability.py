@@ -26,6 +26,34 @@ def test_metrics_endpoint_on_a_free_port_is_written_to_the_run_dir(tmp_path):
     assert "python_info" in body
 
 
+def test_the_metrics_endpoint_bounds_what_a_stranger_can_hold_open(monkeypatch):
+    """Many idle connections neither pile up threads in the service nor hold it forever: past
+    MAX_CONNECTIONS a connection is closed at once, and an idle one is dropped after IDLE_S."""
+    import socket
+    import threading
+    import time
+
+    from rlmesh.services import prom
+
+    monkeypatch.setattr(prom, "IDLE_S", 1.0)
+    server = prom.metrics_server("127.0.0.1", 0)
+    port = server.server_port
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(prom.MAX_CONNECTIONS)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""  # closed unanswered: every slot is taken
+        assert threading.active_count() - before <= prom.MAX_CONNECTIONS
+        time.sleep(1.5)  # the idle ones are dropped ...
+        assert all(s.recv(100) == b"" for s in idle)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "python_info" in body  # ... and a scrape is served again
+    finally:
+        server.shutdown()
+
+
 def test_json_logs_carry_the_span_group_id_version_and_trace_id(tmp_path):
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
