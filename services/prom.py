@@ -53,10 +53,10 @@ def metrics_server(host: str, port: int):
     import socket
     import sys
     import threading
+    from socketserver import ThreadingMixIn
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
     from prometheus_client import make_wsgi_app
-    from socketserver import ThreadingMixIn
 
     class Handler(WSGIRequestHandler):
         timeout = IDLE_S
