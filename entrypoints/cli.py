@@ -254,7 +254,12 @@ def _cannot_serve(config, tier: str) -> str | None:
 def _tls_init(args: argparse.Namespace) -> int:
     from rlmesh.services.tls_certs import make_certificates
 
-    paths = make_certificates(args.output, days=args.days, extra_names=tuple(args.name))
+    try:
+        paths = make_certificates(args.output, days=args.days, extra_names=tuple(args.name))
+    except OSError as err:
+        print(f"rlmesh tls-init: cannot write the certificates to {args.output} ({err.strerror or err}); give "
+              "--output a directory you can write", file=sys.stderr)
+        return 1
     print(f"rlmesh tls-init: wrote {', '.join(p.name for p in paths.values())} and their keys to {args.output}; use\n"
           f"  network.tls.cert_file={args.output}/{{tier}}.crt network.tls.key_file={args.output}/{{tier}}.key "
           f"network.tls.ca_file={args.output}/ca.crt")
