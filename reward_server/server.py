@@ -85,7 +85,10 @@ async def serve(config: RunConfig, port: int) -> None:
                         sample_ratio=config.logging.trace_sample_ratio)
     token = load_token(config.network.token_file, config.network.token_env)
     tls = TLSFiles.from_config(config.network, "reward")
-    service = build_service(config, token, tls)
+    try:
+        service = build_service(config, token, tls)
+    except ValueError as err:  # an environment or reward function that cannot load: its own message says why
+        raise SystemExit(f"rlmesh reward: {err}") from None
     section = config.reward
     for name, address in section.remote.items():
         await service.register_remote(name, address)

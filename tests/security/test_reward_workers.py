@@ -204,6 +204,19 @@ def test_a_function_that_cannot_be_imported_fails_at_start_up_naming_it():
         FunctionWorkerPool("bad", "no_such_module:fn", limits(function_workers=1))
 
 
+def test_rlmesh_reward_with_a_function_it_cannot_import_says_so_in_one_line():
+    """The command's user sees the reason and exit 1, not a traceback through the event loop."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rlmesh.cli", "reward", "--port", "0",
+                          "reward.functions={bad: 'no_such_module:fn'}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == ("rlmesh reward: reward function 'no_such_module:fn': cannot import "
+                                                   "'no_such_module' (No module named 'no_such_module')")
+    assert "Traceback" not in out.stderr
+
+
 
 
 def test_a_function_that_writes_into_the_answer_pipe_fails_its_item_and_its_worker_is_replaced():
