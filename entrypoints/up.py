@@ -47,8 +47,13 @@ def run_up(config: RunConfig, args: argparse.Namespace, on_row: Callable[[dict[s
     _check_model_path(config)
     if isinstance(config.model, HFModelSection):
         check_model_fits(config, config.model.path, "up")
-    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        option = "--run-dir" if args.run_dir else "run.output_dir"
+        raise SystemExit(f"rlmesh up: cannot make the run directory ({err.strerror or err}: {err.filename}); give "
+                         f"{option} a place this user can write") from None
     run_dir = run_dir.resolve()
     dump_config(config, run_dir / "config.yaml")
     clear_requests(run_dir)

@@ -104,3 +104,17 @@ def test_rlmesh_eval_and_check_of_a_missing_model_leave_no_output_directory(tmp_
     with pytest.raises(SystemExit, match=says):
         main([*argv, "run.output_dir=runs"])
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("where", ["--run-dir", "run.output_dir"])
+def test_rlmesh_up_where_no_run_directory_can_be_made_says_which_option_to_change(tmp_path, where):
+    import argparse
+
+    from rlmesh.up import run_up
+
+    (tmp_path / "a-file").write_text("")
+    blocked = str(tmp_path / "a-file" / "runs")
+    config = load_config(None, [] if where == "--run-dir" else [f"run.output_dir={blocked}"])
+    with pytest.raises(SystemExit, match=rf"rlmesh up: cannot make the run directory \(Not a directory: .*a-file.*\); "
+                                         rf"give {where} a place this user can write"):
+        run_up(config, argparse.Namespace(run_dir=blocked if where == "--run-dir" else None))
