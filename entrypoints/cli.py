@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"rlmesh {args.command}: {problem}", file=sys.stderr)
             return 2
+    problem = _unwritable(getattr(args, "output", None))
+    if problem:
+        print(f"rlmesh {args.command}: --output {args.output}: {problem}; give a directory this user can write",
+              file=sys.stderr)
+        return 2
     if args.command in ("sft", "dpo") and isinstance(config.model, HFModelSection):
         from rlmesh.preflight import check_model_fits
 
@@ -200,6 +205,22 @@ def main(argv: list[str] | None = None) -> int:
         module, name = command.split(":")
         command = getattr(importlib.import_module(module), name)
     return command(config, args)
+
+
+def _unwritable(output: str | None) -> str | None:
+    """Why `output` (a directory a command will make or write into) cannot be written here, found
+    before any work: the nearest part of the path that exists must be a directory this user may
+    write into. None when it can, or when no --output was given."""
+    if not output:
+        return None
+    from pathlib import Path
+
+    for part in (Path(output).absolute(), *Path(output).absolute().parents):
+        if part.exists():
+            if not part.is_dir():
+                return f"{part} is a file, not a directory"
+            return None if os.access(part, os.W_OK) else f"{part} is not writable by this user"
+    return None
 
 
 def _venv(args) -> int:
