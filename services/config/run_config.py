@@ -206,7 +206,39 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if not all(path):
         raise ConfigError(f"override {text!r} has an empty key segment")
-    return path, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return path, load_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_yaml_problem(err)}); quote it "
+                          "to pass it as a string, e.g. key='[text'") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a key given twice in one mapping (PyYAML keeps the last one
+    silently: a second `learner:` section would drop the first's settings)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping (only one would count)",
+                    key_node.start_mark)
+            seen.add(key) if isinstance(key, typing.Hashable) else None
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML as `yaml.safe_load` reads it, but a key given twice in one mapping is an error."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (line and column, from 1)."""
+    mark = getattr(err, "problem_mark", None)
+    what = getattr(err, "problem", None) or str(err)
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
 def set_path(data: dict[str, Any], path: list[str], value: Any, what: str) -> None:
@@ -234,7 +266,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    loaded = yaml.safe_load(p.read_text())
+    try:
+        loaded = load_yaml(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
     return loaded or {}

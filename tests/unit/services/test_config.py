@@ -66,6 +66,21 @@ def test_malformed_override_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_a_config_file_that_is_not_yaml_or_gives_a_key_twice_is_refused_saying_where(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("learner:\n  lr: [1e-5\n")
+    with pytest.raises(ConfigError, match=r"config file '.*broken.yaml' is not valid YAML: .* at line 3, column 1"):
+        load_config(broken)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("learner:\n  lr: 1.0e-5\nrollout:\n  max_tokens: 64\nlearner:\n  num_steps: 3\n")
+    # PyYAML alone keeps the second `learner:` and drops lr without a word
+    with pytest.raises(ConfigError, match=r"the key 'learner' is given twice in one mapping .* at line 5, column 1"):
+        load_config(twice)
+    with pytest.raises(ConfigError, match=r"override 'learner.lr=\[': the value is not valid YAML"):
+        load_config(None, ["learner.lr=["])
+    assert load_config(None, ["run.name='[text'"]).run.name == "[text"
+
+
 def test_union_switch_requires_its_fields():
     with pytest.raises(ConfigError, match="model.path"):
         load_config(None, ["model.type=hf"])
