@@ -22,6 +22,17 @@ _EXAMPLES = """examples:
 """
 
 
+_UP_EXAMPLES = """examples:
+  rlmesh up                                        # the built-in tiny demo (no model to fetch)
+  rlmesh up -c examples/smollm2_grpo.yaml          # GRPO of SmolLM2-135M-Instruct (what make demo runs)
+  rlmesh up -c my.yaml learner.num_steps=50 rollout.num_servers=2
+  rlmesh up -c my.yaml --run-dir runs/my-run       # resume that run from its newest checkpoint
+outputs, in the run directory printed at the start (run.output_dir/<run.name>-<time> by default):
+  metrics.jsonl, summary.json, reward_curve.png, checkpoints/, logs/<service>.log, config.yaml
+see also: rlmesh config (the resolved config), rlmesh check (pre-flight), rlmesh status RUN_DIR (live view)
+"""
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="YAML run config (defaults apply when omitted)")
     p.add_argument(
@@ -39,9 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="run the whole mesh as local processes (embedded Valkey)")
+    up = sub.add_parser(
+        "up", help="run the whole mesh as local processes (embedded Valkey)",
+        description="Run RL training on this machine: an embedded Valkey (unless queue.url names one), the reward\n"
+                    "server, rollout.num_servers vLLM rollout servers and the learner, each a process with its log\n"
+                    "under <run dir>/logs, restarted if it crashes. Prints progress, held-out accuracy and where\n"
+                    "things went; Ctrl-C stops every process it started.",
+        epilog=_UP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(up)
-    up.add_argument("--run-dir", help="use this run directory instead of a fresh one")
+    up.add_argument("--run-dir", help="use this run directory instead of a fresh one (a run there resumes from its "
+                                      "newest checkpoint)")
 
     learner = sub.add_parser("learner", help="run the learner (trainer + controller); under torchrun, every rank "
                                                   "runs this and rank 0 is the controller")

@@ -27,3 +27,11 @@ def test_config_error_exits_2_with_field_name():
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "learner.foo" in out.stderr and "allowed" in out.stderr
+
+
+def test_up_help_says_what_it_starts_how_to_run_and_resume_and_where_outputs_go():
+    out = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0
+    for needed in ("embedded Valkey", "Ctrl-C stops every process", "rlmesh up -c examples/smollm2_grpo.yaml",
+                   "--run-dir runs/my-run", "resume", "metrics.jsonl", "reward_curve.png", "logs/<service>.log"):
+        assert needed in out.stdout, needed
