@@ -35,3 +35,10 @@ def test_up_help_says_what_it_starts_how_to_run_and_resume_and_where_outputs_go(
     for needed in ("embedded Valkey", "Ctrl-C stops every process", "rlmesh up -c examples/smollm2_grpo.yaml",
                    "--run-dir runs/my-run", "resume", "metrics.jsonl", "reward_curve.png", "logs/<service>.log"):
         assert needed in out.stdout, needed
+
+
+@pytest.mark.parametrize("sub, opening", [("eval", "Held-out greedy accuracy"), ("learner", "Run the learner"),
+                                          ("rollout", "Run a rollout server (vLLM)."), ("sft", "Supervised fine-tuning")])
+def test_every_command_s_help_opens_with_what_it_does(sub, opening):
+    out = subprocess.run([sys.executable, "-m", "rlmesh.cli", sub, "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.stdout.split("\n\n")[1].startswith(opening), out.stdout[:300]
