@@ -45,8 +45,13 @@ def open_split(location: str, split: str, cfg: HFDataSection, streaming: bool) -
             raise ValueError(f"data: {location!r} matches no data file{' (missing: ' + ', '.join(missing) + ')' if missing else ''}; "
                              "give an existing .jsonl/.json/.parquet/.arrow/.csv file or glob")
         # A file holds one split: name it after the split asked for.
-        return datasets.load_dataset(FORMATS[Path(location).suffix], data_files={split: files}, split=split,
-                                     streaming=streaming)
+        try:
+            return datasets.load_dataset(FORMATS[Path(location).suffix], data_files={split: files}, split=split,
+                                         streaming=streaming)
+        except datasets.exceptions.DatasetGenerationError as err:  # its own message says only that it failed
+            cause = err.__cause__ or err.__context__ or err
+            raise ValueError(f"data: cannot read {location!r} as {Path(location).suffix} ({type(cause).__name__}: "
+                             f"{cause}); fix that file (data.path or data.eval_path names it)") from None
     path = Path(location)
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         saved = datasets.load_from_disk(str(path))

@@ -127,7 +127,11 @@ def _jsonl(path: str, cfg: JsonlDataSection) -> list[Example]:
         if not line.strip():
             continue
         where = f"{path}:{i + 1}"
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not JSON ({err.msg} at column {err.colno}); each line must be one JSON "
+                             "object") from None
         if not isinstance(row, dict):
             raise ValueError(f"{where}: each line must be a JSON object")
         if cfg.messages_key in row:

@@ -139,3 +139,16 @@ def test_rlmesh_dpo_needs_the_pairs_in_memory(tmp_path):
     with pytest.raises(ValueError, match="set data.streaming=false"):
         run_dpo(config, tmp_path / "never-written")
     assert not (tmp_path / "never-written").exists()  # refused before any output is made
+
+
+def test_a_data_file_that_is_not_json_lines_is_refused_naming_the_file_and_where(tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"question": "1+1", "answer": "#### 2"}\n{"question": "2+2", "answer": \n')
+    # datasets' own message here is "An error occurred while generating the dataset"
+    with pytest.raises(ValueError, match=r"cannot read '.*train.jsonl' as .jsonl \(ArrowInvalid: JSON parse error"):
+        load_dataset(_data(f"data.path={bad}", f"data.eval_path={SAMPLE}/test.jsonl", "data.prompt_key=question"), 0)
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text('{"prompt": "1+1", "metadata": {"answer": "2"}}\nnot json\n')
+    config = load_config(None, ["data.type=jsonl", f"data.train_path={lines}", f"data.eval_path={lines}"]).data
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: not JSON \(Expecting value at column 1\)"):
+        load_dataset(config, 0)
