@@ -108,6 +108,10 @@ class RowMapping:
             metadata = {k: row[k] for k in cfg.metadata_keys}
         if row.get(cfg.answer_key) is not None:
             metadata["answer"] = row[cfg.answer_key]
+        elif cfg.answer_key not in row and cfg.answer_key != type(cfg).model_fields["answer_key"].default:
+            # A column named on purpose and missing (a typo): every reward would go without its answer.
+            raise ValueError(f"{where}: data.answer_key={cfg.answer_key!r} names a column it does not have; its "
+                             f"columns: {', '.join(k for k in row if k != _ROW)}")
         pair = {side: assistant_turn(row[key], f"{where}: {key!r}") if row.get(key) is not None else None
                 for side, key in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key))}
         row_id = str(row[cfg.id_key]) if cfg.id_key and row.get(cfg.id_key) is not None else f"{self.split}-{index}"

@@ -152,3 +152,12 @@ def test_a_data_file_that_is_not_json_lines_is_refused_naming_the_file_and_where
     config = load_config(None, ["data.type=jsonl", f"data.train_path={lines}", f"data.eval_path={lines}"]).data
     with pytest.raises(ValueError, match=r"rows.jsonl:2: not JSON \(Expecting value at column 1\)"):
         load_dataset(config, 0)
+
+
+def test_an_answer_key_naming_a_column_the_rows_lack_is_refused_not_dropped():
+    """A typo in data.answer_key would leave every reward without its answer, silently."""
+    with pytest.raises(ValueError, match=r"row 0: data.answer_key='finall' names a column it does not have; its "
+                                         r"columns: question, answer"):
+        load_dataset(_gsm8k("jsonl", "data.answer_key=finall"), 0)
+    train, _ = load_dataset(_gsm8k("jsonl"), 0)  # the default key ("answer") is taken where it is there
+    assert next(iter(train)).metadata["answer"].rsplit("#### ", 1)[1].strip().isdigit()
