@@ -172,6 +172,13 @@ class HFDataSection(Section):
     env_key: str | None = None
     """Column naming a row's own environment, overriding env_name (unset: every row uses env_name)."""
 
+    @model_validator(mode="after")
+    def _template_has_the_prompt(self) -> HFDataSection:
+        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
+            raise ValueError(f"data.prompt_template={self.prompt_template!r} has no {{prompt}} to put the prompt "
+                             "column's text at (every prompt would be this same text)")
+        return self
+
 
 class ReasoningGymDataSection(Section):
     type: Literal["reasoning_gym"] = "reasoning_gym"

@@ -81,6 +81,14 @@ def test_a_config_file_that_is_not_yaml_or_gives_a_key_twice_is_refused_saying_w
     assert load_config(None, ["run.name='[text'"]).run.name == "[text"
 
 
+def test_a_prompt_template_without_the_prompt_is_refused():
+    message = _error("data.type=hf", "data.path=x.jsonl", "data.eval_path=y.jsonl",
+                     "data.prompt_template='Solve: {question}'")  # reasoning_gym's placeholder, not hf's
+    assert "has no {prompt} to put the prompt column's text at" in message
+    assert load_config(None, ["data.type=hf", "data.path=x.jsonl", "data.eval_path=y.jsonl",
+                              "data.prompt_template='Solve: {prompt}'"]).data.prompt_template == "Solve: {prompt}"
+
+
 def test_union_switch_requires_its_fields():
     with pytest.raises(ConfigError, match="model.path"):
         load_config(None, ["model.type=hf"])
