@@ -1,6 +1,7 @@
 """What is refused before anything starts, saying why and what to do: a model that is missing or
 does not fit (an architecture the weight broadcast is not proven to keep in sync, a chat prompt
-format for a tokenizer without a template), and a queue URL a tier started on its own cannot dial."""
+format for a tokenizer without a template), a queue URL a tier started on its own cannot dial, and a
+run or output directory that cannot be made; nothing is left behind."""
 
 import json
 import re
