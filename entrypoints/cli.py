@@ -198,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         # carriage-return frames on one line; rlmesh's own progress prints a line now and then instead.
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    problem = _unwritable(getattr(args, "output", None))  # every command that writes a directory, before any work
+    if problem:
+        print(f"rlmesh {args.command}: --output {args.output}: {problem}; give a directory this user can write",
+              file=sys.stderr)
+        return 2
     plain = _PLAIN_COMMANDS.get(args.command)
     if plain is not None:
         return plain(args)
@@ -213,11 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"rlmesh {args.command}: {problem}", file=sys.stderr)
             return 2
-    problem = _unwritable(getattr(args, "output", None))
-    if problem:
-        print(f"rlmesh {args.command}: --output {args.output}: {problem}; give a directory this user can write",
-              file=sys.stderr)
-        return 2
     if args.command in ("sft", "dpo") and isinstance(config.model, HFModelSection):
         from rlmesh.preflight import check_model_fits
 
@@ -297,12 +297,7 @@ def _cannot_serve(config, tier: str) -> str | None:
 def _tls_init(args: argparse.Namespace) -> int:
     from rlmesh.services.tls_certs import make_certificates
 
-    try:
-        paths = make_certificates(args.output, days=args.days, extra_names=tuple(args.name))
-    except OSError as err:
-        print(f"rlmesh tls-init: cannot write the certificates to {args.output} ({err.strerror or err}); give "
-              "--output a directory you can write", file=sys.stderr)
-        return 1
+    paths = make_certificates(args.output, days=args.days, extra_names=tuple(args.name))
     print(f"rlmesh tls-init: wrote {', '.join(p.name for p in paths.values())} and their keys to {args.output}; use\n"
           f"  network.tls.cert_file={args.output}/{{tier}}.crt network.tls.key_file={args.output}/{{tier}}.key "
           f"network.tls.ca_file={args.output}/ca.crt")

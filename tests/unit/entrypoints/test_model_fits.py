@@ -121,12 +121,13 @@ def test_rlmesh_up_where_no_run_directory_can_be_made_says_which_option_to_chang
         run_up(config, argparse.Namespace(run_dir=blocked if where == "--run-dir" else None))
 
 
-@pytest.mark.parametrize("command", ["sft", "dpo", "eval", "check", "tiny-model"])
+@pytest.mark.parametrize("command", ["sft", "dpo", "eval", "check", "tiny-model", "model", "export", "tls-init"])
 def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, command):
     from rlmesh.cli import main
 
     (tmp_path / "a-file").write_text("")
+    before = {"model": ["fetch", "smollm2-135m-instruct"], "export": [str(tmp_path)]}.get(command, [])
     extra = {"sft": ["sft.num_steps=1"], "dpo": ["dpo.num_steps=1"], "eval": ["--model", str(tmp_path)]}.get(command, [])
-    assert main([command, "--output", str(tmp_path / "a-file" / "out"), *extra]) == 2
+    assert main([command, *before, "--output", str(tmp_path / "a-file" / "out"), *extra]) == 2
     assert re.search(rf"rlmesh {command}: --output .*a-file/out: .*a-file is a file, not a directory; give a "
                      "directory this user can write", capsys.readouterr().err)

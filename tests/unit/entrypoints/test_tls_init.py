@@ -15,6 +15,7 @@ def test_tls_init_writes_a_ca_and_a_private_key_per_tier(tmp_path, capsys):
 
 def test_tls_init_into_a_place_it_cannot_write_says_so_without_a_traceback(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    assert main(["tls-init", "--output", str(tmp_path / "file" / "certs")]) == 1
+    assert main(["tls-init", "--output", str(tmp_path / "file" / "certs")]) == 2
     err = capsys.readouterr().err
-    assert "rlmesh tls-init: cannot write the certificates to" in err and "--output a directory you can write" in err
+    assert "rlmesh tls-init: --output" in err and "file is a file, not a directory; give a directory this user can " \
+        "write" in err
