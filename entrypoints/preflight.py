@@ -21,6 +21,7 @@ def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
     from rlmesh.services.model_families import UnsupportedArchitecture, check_supported_architecture
 
     check_model_present(model_dir, command)
+    check_context_fits(config, model_dir, command)
     allow = isinstance(config.model, HFModelSection) and config.model.allow_untested_architecture
     if (Path(model_dir) / "config.json").is_file() and not allow:
         try:
@@ -42,6 +43,26 @@ def check_model_fits(config: RunConfig, model_dir: str, command: str) -> None:
         print(f"rlmesh {command}: {model_dir} {why}: prompts are plain text (prompt.format="
               f"{config.prompt.format}; prefix {len(config.prompt.prefix)} chars, suffix {config.prompt.suffix!r}, "
               f"stop {config.prompt.stop})", flush=True)
+
+
+def check_context_fits(config: RunConfig, model_dir: str, command: str) -> None:
+    """Refuse a rollout.max_model_len beyond the context the model's config.json gives
+    (max_position_embeddings, where no RoPE scaling stretches it): vLLM refuses it at load, in
+    every rollout server, after the mesh has started (and each restart of them fails the same way)."""
+    import json
+
+    path = Path(model_dir).expanduser() / "config.json"
+    if not path.is_file():
+        return
+    hf = json.loads(path.read_text())
+    hf = hf.get("text_config") or hf  # a multimodal model's language part
+    limit = hf.get("max_position_embeddings")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    stretched = isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default")
+    if isinstance(limit, (int, float)) and not stretched and config.rollout.max_model_len > limit:
+        raise SystemExit(f"rlmesh {command}: rollout.max_model_len={config.rollout.max_model_len} is longer than "
+                         f"{model_dir}'s context (max_position_embeddings={int(limit)} in its config.json); set "
+                         f"rollout.max_model_len={int(limit)} or less")
 
 
 def check_model_present(model_dir: str, command: str) -> None:

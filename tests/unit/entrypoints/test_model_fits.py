@@ -131,3 +131,18 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(t
     assert main([command, *before, "--output", str(tmp_path / "a-file" / "out"), *extra]) == 2
     assert re.search(rf"rlmesh {command}: --output .*a-file/out: .*a-file is a file, not a directory; give a "
                      "directory this user can write", capsys.readouterr().err)
+
+
+def test_a_context_longer_than_the_model_s_is_refused_before_vllm_loads(tmp_path):
+    """vLLM refuses it in every rollout server after the mesh is up, and again on every restart."""
+    model = write_tiny_model(TinyModelSection(arch="llama"), tmp_path / "m", seed=0)
+    limit = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(SystemExit, match=rf"rlmesh up: rollout.max_model_len={limit + 1} is longer than .*'s context "
+                                         rf"\(max_position_embeddings={limit} in its config.json\); set "
+                                         rf"rollout.max_model_len={limit} or less"):
+        check_model_fits(_config(model, f"rollout.max_model_len={limit + 1}"), str(model), "up")
+    check_model_fits(_config(model, f"rollout.max_model_len={limit}"), str(model), "up")
+    hf = json.loads((model / "config.json").read_text())
+    hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}  # stretched: vLLM's own check decides
+    (model / "config.json").write_text(json.dumps(hf))
+    check_model_fits(_config(model, f"rollout.max_model_len={limit + 1}"), str(model), "up")
