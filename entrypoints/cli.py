@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--days", type=int, default=30, help="validity of the certificates in days")
     tls.add_argument("--name", action="append", default=[], metavar="DNS",
                      help="an extra DNS name in every certificate (repeatable)")
-    for listed in getattr(sub, "_choices_actions", []):  # `rlmesh X --help` opens with what X does, as `rlmesh --help` lists it
+    # `rlmesh X --help` opens with what X does, as `rlmesh --help` lists it.
+    for listed in getattr(sub, "_choices_actions", []):
         command = sub.choices[listed.dest]
         if command.description is None and listed.help:
             command.description = listed.help[0].upper() + listed.help[1:] + "."
