@@ -218,14 +218,15 @@ class _StrictLoader(yaml.SafeLoader):
     silently: a second `learner:` section would drop the first's settings)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set = set()
+        seen: set[tuple[str, str]] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in seen:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue  # config keys are scalars; a composite key is left to the config's validation
+            if (key_node.tag, key_node.value) in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice in one mapping (only one would count)",
+                    None, None, f"the key {key_node.value!r} is given twice in one mapping (only one would count)",
                     key_node.start_mark)
-            seen.add(key) if isinstance(key, typing.Hashable) else None
+            seen.add((key_node.tag, key_node.value))
         return super().construct_mapping(node, deep=deep)
 
 
