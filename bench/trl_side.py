@@ -94,9 +94,12 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
     # does under `rlmesh up`): TRL then trains float32 weights under bf16 autocast, as its bf16=True does.
     config = resolve_precision(load_config(config_path, list(config_overrides)))
     bf16 = config.learner.backend.param_dtype == "bfloat16"
-    if config.algorithm.name != "grpo":
-        raise ValueError(f"algorithm.name={config.algorithm.name!r}: this comparison maps only rlmesh's grpo onto TRL "
-                         "(loss_type='grpo', scale_rewards='group')")
+    # rlmesh's loss normalisations and TRL's loss_type of the same name are the same sums (the sequence
+    # mean of token means, the step's token mean, max_tokens a sequence); Dr. GRPO drops the std scaling.
+    losses = {"grpo": "group", "dapo": "group", "dr_grpo": "none"}
+    if config.algorithm.name not in losses:
+        raise ValueError(f"algorithm.name={config.algorithm.name!r}: this comparison maps only rlmesh's "
+                         f"{', '.join(losses)} onto TRL's loss_type of the same name")
     # Both cores for TRL's one process (rlmesh's learner gets one thread: vLLM holds the other core).
     torch.set_num_threads(os.cpu_count() or 1)
     train_set, _ = load_dataset(config.data, config.run.seed)
@@ -127,8 +130,8 @@ def trl_worker(warm: Path, out: Path, generation: str, max_s: float, t_launch: f
         per_device_train_batch_size=b * g, gradient_accumulation_steps=1, num_generations=g,
         max_completion_length=config.rollout.max_tokens, temperature=config.rollout.temperature,
         top_p=config.rollout.top_p, learning_rate=config.learner.lr, weight_decay=config.learner.weight_decay,
-        max_grad_norm=config.learner.max_grad_norm, beta=0.0, num_iterations=1, loss_type="grpo",
-        scale_rewards="group", epsilon=config.algorithm.clip_low, epsilon_high=config.algorithm.clip_high,
+        max_grad_norm=config.learner.max_grad_norm, beta=0.0, num_iterations=1, loss_type=config.algorithm.name,
+        scale_rewards=losses[config.algorithm.name], epsilon=config.algorithm.clip_low, epsilon_high=config.algorithm.clip_high,
         logging_steps=every, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         **extra)
 

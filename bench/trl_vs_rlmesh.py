@@ -259,7 +259,9 @@ def main() -> None:
     p.add_argument("--again", action="store_true",
                    help="launch nothing: read the finished runs in --work again and score them (e.g. after a "
                         "crash while reading or scoring them)")
-    p.add_argument("overrides", nargs="*", help="extra rlmesh overrides (e.g. learner.torch_threads=2)")
+    p.add_argument("overrides", nargs="*",
+                   help="config overrides for both sides (e.g. algorithm.name=dapo: TRL's loss_type follows it); "
+                        "those only rlmesh has, such as learner.torch_threads=2, leave TRL's side as it was")
     p.add_argument("--config", type=Path, default=DEMO, help="the task's rlmesh config (default: the arithmetic demo)")
     args = p.parse_args()
 
@@ -300,7 +302,8 @@ def main() -> None:
         sides["rlmesh"] = run_rlmesh(work, warm, [*seeded, *args.overrides], args.config)
     if args.only != "rlmesh" and not args.again:
         print(f"TRL: GRPOTrainer, generation={args.trl_generation}", flush=True)
-        sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s, args.config, seeded)
+        sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s, args.config,
+                               [*seeded, *args.overrides])
 
     dtype = compute_dtype(config)
     if "rlmesh" in sides and sides["rlmesh"]["param_dtype"] != dtype:
