@@ -142,7 +142,7 @@ def real_model_benches(dtype: str, seeds: list[int]) -> dict[str, tuple[str, lis
     }
     for seed in seeds:
         benches[f"trl_vs_rlmesh_seed{seed}"] = ("trl_vs_rlmesh", [
-            "--config", DEMO, "--seed", str(seed), "--target", "0.30", "--goal", "3", "--trl-max-s", "850"],
+            "--config", DEMO, "--seed", str(seed), "--target", "0.30", "--goal", "3", "--trl-max-s", "600"],
             lambda r, seed=seed: [(f"row 1, seed {seed}: " + row[0], *row[1:]) for row in _rows_trl(r)])
     benches["placement"] = ("placement", ["--runs", "split:0,split:1,split:2,shared:0", "--seed", "0", "--steps", "6"],
                             _rows_placement)

@@ -5,7 +5,9 @@ learning rate and schedule, clip, sampling temperature, completion budget, rewar
 template. Wall time runs from launching each side's process to the step whose checkpoint first
 reaches --target held-out accuracy; every checkpoint of both sides (every 10 steps) is scored after
 the runs by one evaluator (`rlmesh eval`: vLLM greedy decoding in the dtype both sides computed in,
-the environment's own `correct` signal; `--evaluator hf` for HF greedy instead). A config
+the environment's own `correct` signal; `--evaluator hf` for HF greedy instead). Neither side
+evaluates while it trains (rlmesh's run evaluates once, after its last step: a cross-check of the
+evaluator; `--in-loop-eval` keeps the config's evaluations). A config
 without an SFT stage (sft.num_steps 0, e.g. the real-model demo examples/smollm2_grpo.yaml) starts
 both sides from its own model directory instead.
 
@@ -13,7 +15,7 @@ The pieces take the config as a parameter (`--config`; the environment named by 
 scores both sides): bench/long_generation.py runs them on the reasoning task.
 
 Run: python bench/trl_vs_rlmesh.py [--config C] [--seed N] [--target 0.9] [--goal 3] [--trl-generation hf]
-       [--trl-max-s 480] [--evaluator vllm|hf] [--json OUT] [--work DIR [--again]]
+       [--trl-max-s 480] [--evaluator vllm|hf] [--in-loop-eval] [--json OUT] [--work DIR [--again]]
 (seeds interleaved: one invocation per seed, each running rlmesh then TRL; `--again` reads and scores the
 finished runs in --work DIR without launching anything)
 Needs the bench extra (`make bench-setup`: trl, accelerate, datasets)."""
@@ -71,13 +73,19 @@ def vllm_accuracy(model_dir: Path, config_path: Path, overrides: list[str], out:
 # --- rlmesh side --------------------------------------------------------------------------------
 
 def run_rlmesh(work: Path, warm: Path, overrides: list[str], config_path: Path = DEMO,
-               name: str = "rlmesh") -> dict[str, Any]:
-    """`rlmesh up` on `config_path`, its model replaced by the shared warm start; files under work/name."""
+               name: str = "rlmesh", in_loop_eval: bool = False) -> dict[str, Any]:
+    """`rlmesh up` on `config_path`, its model replaced by the shared warm start; files under work/name.
+    Without `in_loop_eval` the run evaluates only after its last step (learner.eval_at_start false,
+    learner.eval_every 0), as TRL's side evaluates nothing while it trains: the one evaluator scores
+    both sides' checkpoints after the runs, and an evaluation of version 0 would otherwise take the
+    rollout tier's core from the first steps' generation."""
     import yaml
 
     raw = yaml.safe_load(config_path.read_text())
     raw["model"] = {"type": "hf", "path": str(warm)}
     raw["sft"] = {**raw.get("sft", {}), "num_steps": 0}
+    if not in_loop_eval:
+        raw.setdefault("learner", {}).update(eval_at_start=False, eval_every=0)
     checkpoint = raw.setdefault("checkpoint", {})
     checkpoint.update(every_n_steps=checkpoint.get("every_n_steps") or EVERY, keep_last=1000)
     cfg_path = work / f"{name}.yaml"
@@ -254,6 +262,9 @@ def main() -> None:
                         "dtype both sides computed in, ~1 min a SmolLM2 checkpoint here) or hf (HF greedy, one prompt "
                         "at a time, float32 compute on the weights rounded to that dtype, ~7 min a checkpoint here)")
     p.add_argument("--only", choices=["rlmesh", "trl"], help="run one side only (for trying settings)")
+    p.add_argument("--in-loop-eval", action="store_true",
+                   help="keep the config's in-loop evaluations on rlmesh's side (default: only the one after the "
+                        "last step, since TRL's side evaluates nothing while it trains)")
     p.add_argument("--work", help="working directory (default: a new temporary one)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--again", action="store_true",
@@ -299,7 +310,8 @@ def main() -> None:
                  if args.only in (None, name) and (work / name).is_dir()}
     elif args.only != "trl":
         print("rlmesh: rlmesh up (demo config, warm start shared)", flush=True)
-        sides["rlmesh"] = run_rlmesh(work, warm, [*seeded, *args.overrides], args.config)
+        sides["rlmesh"] = run_rlmesh(work, warm, [*seeded, *args.overrides], args.config,
+                                     in_loop_eval=args.in_loop_eval)
     if args.only != "rlmesh" and not args.again:
         print(f"TRL: GRPOTrainer, generation={args.trl_generation}", flush=True)
         sides["trl"] = run_trl(work, warm, args.trl_generation, args.trl_max_s, args.config,
