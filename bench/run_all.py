@@ -1,8 +1,8 @@
 """`make bench`: every benchmark under bench/, one table. Each benchmark runs both sides of its
 comparison in one invocation; this collects their JSON results, prints one table (measured,
 baseline, ratio, target), and writes it to bench/results/table.json and bench/results/table.png.
-`--real-model` runs the performance issue's rows 1-5 on the real-model demo instead (about two and a
-half hours on 2 cores; `make bench BENCH_ARGS=--real-model`).
+`--real-model` runs the performance issue's rows 1-5 on the real-model demo instead (about two hours
+on 2 cores; `make bench BENCH_ARGS=--real-model`).
 Run: python bench/run_all.py [--skip async_vs_sync] [--only NAMES] [--real-model [--seeds 0,1,2]]"""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ shared SFT warm start, once by `rlmesh up` (asynchronous GRPO, vLLM-CPU rollouts
 config) and once by TRL's `GRPOTrainer` with the same group size, prompts per step, prompt order,
 learning rate and schedule, clip, sampling temperature, completion budget, reward function and chat
 template. Wall time runs from launching each side's process to the step whose checkpoint first
-reaches --target held-out accuracy; every checkpoint of both sides (every 10 steps) is scored after
-the runs by one evaluator (`rlmesh eval`: vLLM greedy decoding in the dtype both sides computed in,
+reaches --target held-out accuracy; every checkpoint of both sides (the config's
+checkpoint.every_n_steps, else every 10 steps) is scored after the runs by one evaluator (`rlmesh eval`: vLLM greedy decoding in the dtype both sides computed in,
 the environment's own `correct` signal; `--evaluator hf` for HF greedy instead). Neither side
 evaluates while it trains (rlmesh's run evaluates once, after its last step: a cross-check of the
 evaluator; `--in-loop-eval` keeps the config's evaluations). A config
