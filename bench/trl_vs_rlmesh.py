@@ -4,8 +4,9 @@ config) and once by TRL's `GRPOTrainer` with the same group size, prompts per st
 learning rate and schedule, clip, sampling temperature, completion budget, reward function and chat
 template. Wall time runs from launching each side's process to the step whose checkpoint first
 reaches --target held-out accuracy; every checkpoint of both sides (the config's
-checkpoint.every_n_steps, else every 10 steps) is scored after the runs by one evaluator (`rlmesh eval`: vLLM greedy decoding in the dtype both sides computed in,
-the environment's own `correct` signal; `--evaluator hf` for HF greedy instead). Neither side
+checkpoint.every_n_steps, else every 10 steps) is scored after the runs by one evaluator
+(`rlmesh eval`: vLLM greedy decoding in the dtype both sides computed in, the environment's own
+`correct` signal; `--evaluator hf` for HF greedy instead). Neither side
 evaluates while it trains (rlmesh's run evaluates once, after its last step: a cross-check of the
 evaluator; `--in-loop-eval` keeps the config's evaluations). A config
 without an SFT stage (sft.num_steps 0, e.g. the real-model demo examples/smollm2_grpo.yaml) starts
