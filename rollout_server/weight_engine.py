@@ -1,5 +1,6 @@
 """vLLM worker-side weight-transfer engine for CPU: receives the learner's gloo broadcast and
-loads it in place with vLLM's layerwise reload, keeping a digest of the bytes it received (in the
+loads it in place (`rlmesh.services.weights.direct`; vLLM's layerwise reload for a model that path
+does not take), keeping a digest of the bytes it received (in the
 algorithm the learner's UpdateWeights names: BLAKE3, or sha256). Every update is audited
 (`rlmesh.services.weights.served`): a layer vLLM's reload would leave at its old weights fails the
 update, naming it; with `RLMESH_VERIFY_SERVED_WEIGHTS=1` what the model serves afterwards is also read
@@ -70,7 +71,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     """Updates replace the model's weights (layerwise reload); the LoRA engine writes an adapter instead."""
     _layout = None  # layout.CheckpointLayout of the served model (made on the first update)
     _received: list | None = None  # the received tensors, kept for the read-back when it is on
-    _audit = None  # served.ReloadAudit of the update in progress
+    _audit = None  # the update in progress: direct.DirectReload, or served.ReloadAudit around vLLM's reload
+    _direct: Any = False  # direct.DirectReload of the served model, None where vLLM's reload loads it (`_plan`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -99,6 +101,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self._group = join_group(ticket, self._rank, init_info.world_size, init_info.timeout_seconds)
         log.info("joined weight broadcast group epoch %d as rank %d/%d", init_info.group_epoch, self._rank,
                  init_info.world_size)
+        if self.reloads_model:
+            self._plan()  # here, not in the first update: the plan's tensors are allocated and touched once
+
+    def _plan(self) -> Any:
+        """How updates load into the served model (planned once per model): `DirectReload`, or None for
+        vLLM's layerwise reload."""
+        from rlmesh.services.weights.direct import DirectReload
+
+        if self._direct is False or (self._direct is not None and self._direct.model is not self.model):
+            self._direct = DirectReload.plan(self.model, self.architecture)
+        return self._direct
 
     def start_weight_update(self) -> None:
         """The model's reload begins in `receive_weights`, once the first buckets are on the wire."""
@@ -109,8 +122,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
         from rlmesh.services.weights.served import ReloadAudit
 
-        initialize_layerwise_reload(self.model)
-        self._audit = ReloadAudit(self.model, self.architecture)
+        self._audit = self._plan()
+        if self._audit is None:
+            initialize_layerwise_reload(self.model)
+            self._audit = ReloadAudit(self.model, self.architecture, self.model_config)
         self._audit.begin()
 
     def finish_weight_update(self) -> None:
@@ -120,9 +135,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             return  # nothing was received: the model was never touched
         audit, self._audit = self._audit, None
         failures = audit.failures()
-        self._finalize()
+        self._finalize(audit)
         self.served_check = {"architecture": self.architecture, "layers_not_reloaded": failures,
-                             "settled": audit.settled}
+                             "settled": audit.settled, "reload": "layerwise" if self._direct is None else "direct"}
         if failures:
             self._received = None
             err = audit.error(failures)
@@ -131,11 +146,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self._received is not None:
             self._read_back()
 
-    def _finalize(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
+    def _finalize(self, audit: Any) -> None:
         # Every layer gets kernel tensors back, even after a failed load: the model stays servable.
-        finalize_layerwise_reload(self.model, self.model_config)
+        audit.finalize()
         if refresh_tied_output_head(self.model) and not self._head_refresh_logged:
             log.info("output head tied to the input embedding: rebuilt after every update")
             self._head_refresh_logged = True
@@ -168,8 +181,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             if self.reloads_model and self._audit is not None:
                 # vLLM's worker ends the update here without finish_weight_update: put every layer's
                 # tensors back now, or the model is left on the meta device and every request fails.
-                self._audit = None
-                self._finalize()
+                audit, self._audit = self._audit, None
+                self._finalize(audit)
             raise
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
@@ -316,7 +329,7 @@ class WorkerDigests:
         return getattr(self.weight_transfer_engine, "received_digest", "")
 
     def rlmesh_served_check(self) -> dict[str, Any]:
-        """{"architecture", "layers_not_reloaded", "settled"} and, with RLMESH_VERIFY_SERVED_WEIGHTS=1,
+        """{"architecture", "layers_not_reloaded", "settled", "reload" ("direct" or "layerwise")} and, with RLMESH_VERIFY_SERVED_WEIGHTS=1,
         {"verified", "served_mismatches", "compared", "read_back_s"} of the last update ({} if none)."""
         return dict(getattr(self.weight_transfer_engine, "served_check", {}))
 

@@ -44,10 +44,11 @@ def _loadable(layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[
 
 class ReloadAudit:
     """One update's audit: `begin` right after `initialize_layerwise_reload`, `failures` right before
-    `finalize_layerwise_reload`."""
+    `finalize` (vLLM's `finalize_layerwise_reload`). For the models it can take, `direct.DirectReload`
+    loads an update without vLLM's reload, with the same calls and the same audit."""
 
-    def __init__(self, model: torch.nn.Module, architecture: str) -> None:
-        self.model, self.architecture = model, architecture
+    def __init__(self, model: torch.nn.Module, architecture: str, model_config: object = None) -> None:
+        self.model, self.architecture, self.model_config = model, architecture, model_config
         self.settled: list[str] = []
         """Layers given their tensors back up front (aliases, buffer-only layers)."""
 
@@ -92,12 +93,23 @@ class ReloadAudit:
         return bad
 
     def error(self, failures: list[str]) -> ReloadError:
-        from rlmesh.services.model_families import supported_summary
+        return reload_error(self.architecture, failures)
 
-        shown = "; ".join(failures[:8]) + (f"; and {len(failures) - 8} more" if len(failures) > 8 else "")
-        return ReloadError(f"weight update into {self.architecture} did not reload {len(failures)} layer(s): {shown}. "
-                           "The update's tensor names or shapes are not what this vLLM model loads; "
-                           f"{supported_summary()}")
+    def finalize(self) -> None:
+        """vLLM's end of the reload: every layer gets kernel tensors back, even after a failed load."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+
+def reload_error(architecture: str, failures: list[str]) -> ReloadError:
+    """The update's error for the layers it did not reload (either path's audit)."""
+    from rlmesh.services.model_families import supported_summary
+
+    shown = "; ".join(failures[:8]) + (f"; and {len(failures) - 8} more" if len(failures) > 8 else "")
+    return ReloadError(f"weight update into {architecture} did not reload {len(failures)} layer(s): {shown}. "
+                       "The update's tensor names or shapes are not what this vLLM model loads; "
+                       f"{supported_summary()}")
 
 
 # --- served read-back -----------------------------------------------------------------------------

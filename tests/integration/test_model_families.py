@@ -3,9 +3,11 @@ model is served by vLLM, its logprobs are checked against the HF model's (step 0
 greedy answers to three chat prompts are HF's `generate`'s, token for token (and vLLM's text is those
 tokens' text); then the "learner"
 changes every weight and broadcasts them through rlmesh's own gloo transport and weight engine
-(GlooSender -> GlooReceiver -> GlooWeightTransferEngine's layerwise reload), the weights vLLM serves
-afterwards are read back and checked against a fresh load of the same weights through vLLM's own
-loader (`RLMESH_VERIFY_SERVED_WEIGHTS`), and the logprobs are checked again, in float32 and bf16.
+(GlooSender -> GlooReceiver -> GlooWeightTransferEngine's direct load, `services.weights.direct`), the
+weights vLLM serves afterwards are read back and checked against a fresh load of the same weights
+through vLLM's own loader (`RLMESH_VERIFY_SERVED_WEIGHTS`), and the logprobs are checked again, in
+float32 and bf16. In float32 the same weights are then sent again short of two layers' tensors: the
+update fails naming both layers, and they keep serving their old weights.
 
 Time: the families run in two processes side by side (one per core), each holding vLLM's engine in
 process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and starting a fresh `LLM` per family and dtype; with
@@ -146,6 +148,23 @@ def learner_stream(hf, dtype: str) -> list[tuple[str, object]]:
     return named
 
 
+def partial_drop(named: list) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Two tensors an update leaves out -> (the served layer that must then be named as not reloaded, the
+    HF tensors that layer serves): a whole layer (layer 0's attention output) and one shard of a fused
+    layer (layer 1's k_proj, where the family sends q, k and v apart; Phi-3 sends them fused, so there
+    its layer 1 MLP output)."""
+    names = {n for n, _ in named}
+    attn = "model.layers.1.self_attn."
+    out = {"model.layers.0.self_attn.o_proj.weight": ("model.layers.0.self_attn.o_proj",
+                                                      ("model.layers.0.self_attn.o_proj.",))}
+    if f"{attn}k_proj.weight" in names:
+        out[f"{attn}k_proj.weight"] = (f"{attn}qkv_proj", (f"{attn}q_proj.", f"{attn}k_proj.", f"{attn}v_proj."))
+    else:
+        out["model.layers.1.mlp.down_proj.weight"] = ("model.layers.1.mlp.down_proj", ("model.layers.1.mlp.down_proj.",))
+    assert set(out) <= names, f"the stream has none of {sorted(set(out) - names)}"
+    return out
+
+
 def broadcast(llm, named: list, version: int) -> dict:
     """One update through rlmesh's real gloo path: GlooSender (rank 0, on a thread) -> the vLLM
     worker's GlooWeightTransferEngine (rank 1) via collective_rpc, as the rollout server drives it."""
@@ -236,6 +255,20 @@ def run_family(arch: str, tied: bool, out: Path, seed: int = 3) -> list[dict]:
             row["update"] = broadcast(llm, named, version=1)
             row["update_s"] = round(time.monotonic() - t0, 2)
             row["step1"] = mismatch(llm, hf, seqs)
+            if dtype == "float32" and arch not in REFUSED_ARCHS:
+                # New weights short of two layers' tensors: the update must fail naming both layers,
+                # which keep serving their old weights whole while every other layer serves the new.
+                served_before = {n: t.clone() for n, t in hf.state_dict().items()}
+                perturb(hf, seed + 2)
+                named = learner_stream(hf, dtype)
+                dropped = partial_drop(named)
+                row["partial"] = {"dropped": {n: layer for n, (layer, _) in dropped.items()},
+                                  "update": broadcast(llm, [(n, t) for n, t in named if n not in dropped], version=2)}
+                with torch.no_grad():  # the HF reference: what the server should serve now
+                    for n, p in hf.state_dict().items():
+                        if any(n.startswith(prefix) for _, prefixes in dropped.values() for prefix in prefixes):
+                            p.copy_(served_before[n])
+                row["partial"]["after"] = mismatch(llm, hf, seqs)
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {err}"
         finally:
@@ -328,11 +361,25 @@ def test_family_updates_in_place_and_matches_hf(matrix, arch, tied):
         served = update["served"]
         assert served["layers_not_reloaded"] == [], f"{where}: {served}"
         assert served["verified"] and served["compared"] > 0, f"{where}: served weights differ: {served}"
+        assert served["reload"] == "direct", f"{where}: updates went through vLLM's layerwise reload"
+        if row["dtype"] == "float32":
+            _assert_partial_update_fails_and_keeps_old_layers(where, row["partial"])
         for step in ("step0", "step1"):
             assert row[step]["kl"] <= MAX_KL[row["dtype"]], f"{where} {step}: mismatch {row[step]}"
             assert row[step]["max_abs"] <= MAX_ABS[row["dtype"]], f"{where} {step}: mismatch {row[step]}"
         if row["dtype"] == "float32":
             _assert_same_greedy_answers(where, row["greedy"])
+
+
+def _assert_partial_update_fails_and_keeps_old_layers(where: str, partial: dict) -> None:
+    error, served = partial["update"]["error"], partial["update"]["served"]
+    assert error and "did not reload 2 layer(s)" in error, f"{where}: partial update: {partial['update']}"
+    assert [f.split(" ")[0] for f in served["layers_not_reloaded"]] == list(partial["dropped"].values()), \
+        f"{where}: {served['layers_not_reloaded']}"
+    # Against HF with those layers' old tensors and every other new: a half-loaded layer, or a layer
+    # still serving old weights after receiving new ones, would move the logprobs.
+    assert partial["after"]["kl"] <= MAX_KL["float32"], f"{where}: after the failed update: {partial['after']}"
+    assert partial["after"]["max_abs"] <= MAX_ABS["float32"], f"{where}: after the failed update: {partial['after']}"
 
 
 def _assert_same_greedy_answers(where: str, result: dict[str, list]) -> None:
@@ -358,6 +405,7 @@ def test_refused_family_is_refused_at_start_and_its_update_fails(matrix, arch, t
         assert "Gemma3ForCausalLM" in str(refusal.value)  # the supported families are named
         if "update" in row:  # (a family vLLM cannot even load stops earlier, which is refusal enough)
             assert row["update"]["error"], f"{arch} {row['dtype']}: stale update went unnoticed: {row['update']}"
+            assert row["update"]["served"].get("reload") in (None, "layerwise"), row["update"]["served"]
 
 
 def register_in_process(archs: list[str]) -> None:
