@@ -2,8 +2,8 @@
 a raw torch.distributed broadcast of the same bytes.
 
 measured: the learner's real broadcaster (gloo transport) into a real `rlmesh rollout` (vLLM), the
-          single-call update (one UpdateWeights per server carrying pause, start, receive, finish with
-          vLLM's layerwise reload, resume) with the digest verified, once per digest algorithm
+          single-call update (one UpdateWeights per server carrying pause, start, receive, the worker's
+          load, finish, resume) with the digest verified, once per digest algorithm
           (`--digests blake3,xxh3,sha256`: the default, the fast non-cryptographic one, and what an older peer gets), with
           weight_sync.snapshot on and off (`--snapshot on,off`; rows `<digest>/snapshot` and
           `<digest>/direct`). Two times: `send` (what the learner's next training step waits for:
