@@ -66,7 +66,7 @@ class DirectReload:
         """Layers that share another's parameters (a tied output head): the other's load writes them."""
         self._removed: dict[torch.nn.Module, torch.nn.Parameter] = {}
         self._kept: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}  # a linear layer's bias before the load
-        self._loaders: list[tuple[torch.nn.Parameter, Any]] = []
+        self._loaders: list[tuple[torch.nn.Parameter, Callable | None]] = []  # each loader to put back (None: none)
 
     @classmethod
     def plan(cls, model: torch.nn.Module, architecture: str) -> DirectReload | None:
@@ -117,7 +117,8 @@ class DirectReload:
         for slot in self._slots:
             slot.shards.clear()
             param = slot.layer._parameters[slot.name]
-            self._loaders.append((param, param.__dict__.get("weight_loader")))
+            # (vLLM's parameter classes hold theirs behind a property: read and set it, never __dict__)
+            self._loaders.append((param, param.weight_loader if hasattr(param, "weight_loader") else None))
             param.weight_loader = _recording(_loader(param), slot)
 
     def failures(self) -> list[str]:
@@ -136,7 +137,7 @@ class DirectReload:
         incomplete = {id(s.layer) for s in self._slots if not s.complete()}
         for param, loader in self._loaders:
             if loader is None:
-                param.__dict__.pop("weight_loader", None)
+                del param.weight_loader
             else:
                 param.weight_loader = loader
         self._loaders.clear()

@@ -148,6 +148,20 @@ def learner_stream(hf, dtype: str) -> list[tuple[str, object]]:
     return named
 
 
+def weight_loaders(llm) -> dict[str, str]:
+    """Each served parameter's weight loader, by name, and each plain weight's the direct load keeps
+    for a linear layer (`staged:<layer>`): an update must leave them as it found them."""
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    plan = getattr(worker.weight_transfer_engine, "_direct", None)
+    named = [*worker.model_runner.model.named_parameters(),
+             *((f"staged:{id(layer)}", w) for layer, w in getattr(plan, "_staged", {}).items())]
+    out = {}
+    for name, param in named:
+        loader = getattr(param, "weight_loader", None)
+        out[name] = "" if loader is None else f"{getattr(loader, '__qualname__', type(loader).__name__)}@{id(loader)}"
+    return out
+
+
 def partial_drop(named: list) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Two tensors an update leaves out -> (the served layer that must then be named as not reloaded, the
     HF tensors that layer serves): a whole layer (layer 0's attention output) and one shard of a fused
@@ -254,6 +268,7 @@ def run_family(arch: str, tied: bool, out: Path, seed: int = 3) -> list[dict]:
             t0 = time.monotonic()
             row["update"] = broadcast(llm, named, version=1)
             row["update_s"] = round(time.monotonic() - t0, 2)
+            loaders = weight_loaders(llm)  # (the direct load's plain weights exist from the first update on)
             row["step1"] = mismatch(llm, hf, seqs)
             if dtype == "float32" and arch not in REFUSED_ARCHS:
                 # New weights short of two layers' tensors: the update must fail naming both layers,
@@ -269,6 +284,8 @@ def run_family(arch: str, tied: bool, out: Path, seed: int = 3) -> list[dict]:
                         if any(n.startswith(prefix) for _, prefixes in dropped.values() for prefix in prefixes):
                             p.copy_(served_before[n])
                 row["partial"]["after"] = mismatch(llm, hf, seqs)
+            after = weight_loaders(llm)
+            row["loaders_changed"] = sorted(n for n in set(loaders) | set(after) if loaders.get(n) != after.get(n))
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {err}"
         finally:
@@ -362,6 +379,7 @@ def test_family_updates_in_place_and_matches_hf(matrix, arch, tied):
         assert served["layers_not_reloaded"] == [], f"{where}: {served}"
         assert served["verified"] and served["compared"] > 0, f"{where}: served weights differ: {served}"
         assert served["reload"] == "direct", f"{where}: updates went through vLLM's layerwise reload"
+        assert row["loaders_changed"] == [], f"{where}: updates left other weight loaders behind"
         if row["dtype"] == "float32":
             _assert_partial_update_fails_and_keeps_old_layers(where, row["partial"])
         for step in ("step0", "step1"):
