@@ -12,7 +12,8 @@ dispatch; load norms and embeddings in place; repack the embeddings (a tied outp
 knows (the plain, column-, row-, QKV- and merged-column-parallel linear layers with vLLM's unquantized
 method, vocabulary embeddings and output heads, and layers vLLM never post-processes, such as norms);
 anything else (fused-MoE experts, quantized layers, attention with weights) gets None and vLLM's
-layerwise reload. `RLMESH_LAYERWISE_RELOAD=1` forces that reload for every model.
+layerwise reload, as does vLLM's zentorch platform (its unpacked kernels keep the tensor they were
+given). `RLMESH_LAYERWISE_RELOAD=1` forces that reload for every model.
 
 The audit is the layerwise one's (`served.ReloadAudit`): every parameter records the shards its
 loader was called with, and a layer missing any fails the update, naming it. A linear layer that did
@@ -78,6 +79,8 @@ class DirectReload:
             return None
         if not current_platform.is_cpu():
             return None  # an accelerator keeps plain weights: vLLM's reload copies them in place already
+        if current_platform.is_zen_cpu():
+            return None  # zentorch may serve from the very tensor it was given: the plain weight must not be reused
         staged, embeddings, slots, settled = {}, [], [], []
         seen: set[int] = set()
         for name, layer in model.named_modules():
