@@ -68,11 +68,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     update_info_cls = GlooUpdateInfo
     supports_draft_weight_update = False
     reloads_model = True
-    """Updates replace the model's weights (layerwise reload); the LoRA engine writes an adapter instead."""
+    """Updates replace the model's weights in place; the LoRA engine writes an adapter instead."""
     _layout = None  # layout.CheckpointLayout of the served model (made on the first update)
     _received: list | None = None  # the received tensors, kept for the read-back when it is on
     _audit = None  # the update in progress: direct.DirectReload, or served.ReloadAudit around vLLM's reload
-    _direct: Any = False  # direct.DirectReload of the served model, None where vLLM's reload loads it (`_plan`)
+    _direct: Any = False  # direct.DirectReload of the served model; None: vLLM's reload loads it; False: not planned
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -329,8 +329,9 @@ class WorkerDigests:
         return getattr(self.weight_transfer_engine, "received_digest", "")
 
     def rlmesh_served_check(self) -> dict[str, Any]:
-        """{"architecture", "layers_not_reloaded", "settled", "reload" ("direct" or "layerwise")} and, with RLMESH_VERIFY_SERVED_WEIGHTS=1,
-        {"verified", "served_mismatches", "compared", "read_back_s"} of the last update ({} if none)."""
+        """{"architecture", "layers_not_reloaded", "settled", "reload" ("direct" or "layerwise")} and, with
+        RLMESH_VERIFY_SERVED_WEIGHTS=1, {"verified", "served_mismatches", "compared", "read_back_s"} of the
+        last update ({} if none)."""
         return dict(getattr(self.weight_transfer_engine, "served_check", {}))
 
 

@@ -190,7 +190,8 @@ def _kind(layer: torch.nn.Module) -> str | None:
         return "staged" if removed and not getattr(layer, "_cpu_skip_gemm_dispatch", False) else None
     if type(layer) in (VocabParallelEmbedding, ParallelLMHead) and type(method) is UnquantizedEmbeddingMethod:
         return "embedding"
-    if method is None and not is_deferred_attention_layer(layer) and not hasattr(layer, "process_weights_after_loading"):
+    post_processed = is_deferred_attention_layer(layer) or hasattr(layer, "process_weights_after_loading")
+    if method is None and not post_processed:
         return "plain"
     return None
 

@@ -47,7 +47,7 @@ class ReloadAudit:
     `finalize` (vLLM's `finalize_layerwise_reload`). For the models it can take, `direct.DirectReload`
     loads an update without vLLM's reload, with the same calls and the same audit."""
 
-    def __init__(self, model: torch.nn.Module, architecture: str, model_config: object = None) -> None:
+    def __init__(self, model: torch.nn.Module, architecture: str, model_config: object) -> None:
         self.model, self.architecture, self.model_config = model, architecture, model_config
         self.settled: list[str] = []
         """Layers given their tensors back up front (aliases, buffer-only layers)."""

@@ -136,7 +136,8 @@ def partial_drop(named: list) -> dict[str, tuple[str, tuple[str, ...]]]:
     if f"{attn}k_proj.weight" in names:
         out[f"{attn}k_proj.weight"] = (f"{attn}qkv_proj", (f"{attn}q_proj.", f"{attn}k_proj.", f"{attn}v_proj."))
     else:
-        out["model.layers.1.mlp.down_proj.weight"] = ("model.layers.1.mlp.down_proj", ("model.layers.1.mlp.down_proj.",))
+        mlp = "model.layers.1.mlp.down_proj"
+        out[f"{mlp}.weight"] = (mlp, (f"{mlp}.",))
     assert set(out) <= names, f"the stream has none of {sorted(set(out) - names)}"
     return out
 
