@@ -15,10 +15,14 @@ baseline: a plain gloo broadcast of the same buckets (same layout, same bytes, t
           (a fresh process stands in for the vLLM worker). Both keep their buffers across rounds, as
           the mesh does; the receiver exits after the last update (until 2026-12-06, during it).
 engine:   vLLM's own layerwise reload of the same weights from memory, nothing else running: what the
-          engine costs per update whatever the transport. Timed inside vLLM's engine as the rollout
-          server runs it (rollout.cpu_cores "auto", the server's executor, `vllm_engine.executor_args`:
-          on a CPU the model in vLLM's engine-core process, its threads unbound), the ratio's
-          baseline; and, beside it, in a process of its own on every core ("alone").
+          engine costs per update whatever the transport (`bench/engine_reload.py`). Timed inside
+          vLLM's engine as the rollout server runs it (rollout.cpu_cores "auto", the server's executor,
+          `vllm_engine.executor_args`: on a CPU the model in vLLM's engine-core process, its threads
+          unbound), the ratio's baseline, resident beside the server and reloaded once per round
+          between the raw broadcast and the updates (`paired_engine_ratio`: each round's update over
+          that round's raw broadcast plus reload); and, after, in a process of its own on every core
+          ("alone"). Each update's row says how the server loaded it (`loads`: "direct" or "layerwise",
+          from the server's log line for that version).
 passes:   each extra pass over the bytes alone (a copy on one thread, each digest as the transport
           takes it): on one host both ends share the cores, so the update cannot cost less than the
           raw broadcast plus these passes spread over the cores.
@@ -33,17 +37,22 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SERVED_CORES = "auto"
 """The rollout server's rollout.cpu_cores here, and the placement of the engine-reload baseline."""
+LOADED = re.compile(r"weights v(\d+) loaded \(([^)]*)\)")
+"""The rollout server's line for each update (`VLLMGenerator.finish_weight_update`): version, load."""
 SIZES = {"tiny": dict(), "100m": dict(hidden_size=1024, num_layers=9, num_heads=16, num_kv_heads=4,
                                       intermediate_size=2816)}
 
@@ -64,63 +73,6 @@ for _ in range(spec["rounds"]):
 # Exit only when told: torch's teardown beside the last timed update would slow it.
 group.broadcast(torch.zeros(1), 0).wait()
 """
-
-ENGINE_RELOAD = """
-import glob, json, os, sys, time
-model_dir, rounds, dtype, placement = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-if placement == "alone":  # the worker in this process, unbound: every core of the machine
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-else:  # vLLM's engine as a rollout server runs it (rollout.cpu_cores: VLLM_CPU_OMP_THREADS_BIND; its executor)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the function below runs in the worker
-from vllm import LLM
-from rlmesh.rollout_server.vllm_engine import executor_args
-
-
-def reload_rounds(worker, model_dir, rounds, dtype):
-    import torch
-    from safetensors.torch import load_file
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-    runner = worker.model_runner
-    named = [(k, v.to(getattr(torch, dtype)).mul(1.001)) for f in sorted(glob.glob(model_dir + "/*.safetensors"))
-             for k, v in load_file(f).items()]
-    times = []
-    for _ in range(rounds + 1):  # the first warms up
-        t0 = time.perf_counter()
-        initialize_layerwise_reload(runner.model)
-        runner.model.load_weights(iter(named))
-        finalize_layerwise_reload(runner.model, runner.model_config)
-        times.append(time.perf_counter() - t0)
-    return {"times": times[1:], "threads": torch.get_num_threads(), "cores": sorted(os.sched_getaffinity(0))}
-
-
-llm = LLM(model=model_dir, max_model_len=128, enforce_eager=True, dtype=dtype,
-          **({} if placement == "alone" else executor_args()))
-if placement == "alone":
-    out = reload_rounds(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker, model_dir,
-                        rounds, dtype)
-else:
-    out = llm.collective_rpc(reload_rounds, args=(model_dir, rounds, dtype))[0]
-print("RELOAD " + json.dumps(out))
-"""
-
-
-def engine_reload(model_dir: Path, rounds: int, dtype: str, placement: str) -> dict:
-    """vLLM's own layerwise reload of the model's weights from memory, with no transfer and nothing
-    else running: what the engine costs per update whatever the transport (on CPU: each layer
-    materialized, loaded, and its GEMM weights repacked for oneDNN). `placement`: the cores as the
-    rollout server gives them to vLLM (its rollout.cpu_cores, e.g. "auto"), with the server's
-    executor, timed where the model runs (on a CPU, vLLM's engine-core process); or "alone": the
-    model in this process of its own, unbound, on every core. {"times", "threads", "cores"}."""
-    out = subprocess.run([sys.executable, "-c", ENGINE_RELOAD, str(model_dir), str(rounds), dtype, placement],
-                         cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RELOAD ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"the engine-reload baseline ({placement}) failed (exit {out.returncode}): "
-                           f"{out.stderr[-2000:]}")
-    return json.loads(lines[-1].removeprefix("RELOAD "))
-
 
 def raw_broadcaster(named, rounds: int, tmp: Path):
     """A plain gloo broadcast to a second process, ready to send `rounds` times: (send, close)."""
@@ -165,12 +117,15 @@ def raw_broadcaster(named, rounds: int, tmp: Path):
 
 async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path, digests: list[str],
                          config: dict | None = None, snapshots: tuple[bool, ...] = (True, False),
-                         dtype: str = "float32") -> tuple[list[float], dict[str, list[dict]]]:
-    """Each round: one raw broadcast of `named`, then one update of `source` (the same bytes) per
-    digest algorithm and snapshot setting (interleaved, so a change in the machine's load hits all
-    sides alike; each setting keeps its broadcaster, so a snapshot's buffers are reused). Each
-    update's `send_s` is what the learner's training step waits for (`WeightBroadcaster.send`);
-    `update_s` runs until `settled()`: every server has loaded, finished and resumed, digest checked."""
+                         dtype: str = "float32", reload_round: Callable[[], float] | None = None,
+                         ) -> tuple[list[float], dict[str, list[dict]], list[float]]:
+    """Each round: one raw broadcast of `named`, one `reload_round()` if given (vLLM's own reload in
+    an engine of its own), then one update of `source` (the same bytes) per digest algorithm and
+    snapshot setting (interleaved, so a change in the machine's load hits all sides alike; each
+    setting keeps its broadcaster, so a snapshot's buffers are reused). Each update's `send_s` is
+    what the learner's training step waits for (`WeightBroadcaster.send`); `update_s` runs until
+    `settled()`: every server has loaded, finished and resumed, digest checked; `load`: how the
+    server loaded it (its log line for the version). Returns (raw, updates by setting, reloads)."""
     from bench.harness import rollout_harness
     from rlmesh.learner.rl.broadcast import WeightBroadcaster
     from rlmesh.services.config import WeightSyncSection
@@ -191,11 +146,16 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
                 sync = WeightSyncSection(timeout_s=300, digest_algorithm=algorithm, snapshot=snapshot)
                 label = f"{algorithm}/{'snapshot' if snapshot else 'direct'}"
                 broadcasters[label] = WeightBroadcaster(h.membership, sync, sender, run_torch)
-        raw, out = [], {label: [] for label in broadcasters}
+        raw, out, reloads = [], {label: [] for label in broadcasters}, []
         for r in range(rounds + 1):  # round 0 warms up (and forms each group) and is not counted
             t = await asyncio.to_thread(raw_send)
             if r:
                 raw.append(t)
+            if reload_round is not None:
+                t = await asyncio.to_thread(reload_round)
+                await asyncio.sleep(0.2)  # the reloading engine's threads stop spinning before the updates
+                if r:
+                    reloads.append(t)
             for label, broadcaster in broadcasters.items():
                 algorithm = broadcaster.cfg.digest_algorithm
                 # A rollout server is in one weight group at a time: each setting's learner
@@ -211,9 +171,13 @@ async def mesh_broadcast(model_dir: Path, named, source, rounds: int, tmp: Path,
                 update_s = time.perf_counter() - t0
                 assert broadcaster.verified_versions[-1] == version
                 if r:
-                    out[label].append({**metrics, "send_s": send_s, "update_s": update_s})
+                    out[label].append({**metrics, "send_s": send_s, "update_s": update_s, "version": version})
         raw_close()
-        return raw, out
+        loads = dict(LOADED.findall((tmp / "rollout.log").read_text(errors="replace")))
+        for mesh in out.values():
+            for m in mesh:
+                m["load"] = loads.get(str(m["version"]), "not logged")
+        return raw, out, reloads
 
 
 def pass_costs(nbytes: int, digests: list[str], repeats: int = 3) -> dict[str, float]:
@@ -257,10 +221,15 @@ def summarize(raw: list[float], by_digest: dict[str, list[dict]], **facts) -> di
                            "ratio": update_s / raw_s, "phases_s": phases,
                            # each round's update over the raw broadcast run just before it (same load)
                            "paired_ratio": median([m["update_s"] / r for m, r in zip(mesh, raw)]),
-                           "paired_send_ratio": median([m["send_s"] / r for m, r in zip(mesh, raw)])}
+                           "paired_send_ratio": median([m["send_s"] / r for m, r in zip(mesh, raw)]),
+                           "loads": [m["load"] for m in mesh]}
         if "engine_reload_s" in facts:  # over the wire plus what the engine's reload costs on the server's cores
+            reloads = facts["engine_reload_all_s"]
             rows[algorithm]["engine_ratio"] = update_s / (raw_s + facts["engine_reload_s"])
             rows[algorithm]["engine_alone_ratio"] = update_s / (raw_s + facts["engine_reload_alone_s"])
+            # each round's update over that round's raw broadcast plus that round's reload
+            rows[algorithm]["paired_engine_ratio"] = median([m["update_s"] / (r + e)
+                                                             for m, r, e in zip(mesh, raw, reloads)])
     return rows
 
 
@@ -292,8 +261,8 @@ def lora_row(size: str, rank: int, rounds: int, digests: list[str], snapshots: t
     named = [(n, t.detach().clone()) for n, t in trainer.stream_weights()]
     stream_s = time.perf_counter() - t0  # the learner gathering its adapter out of FSDP2 (part of `send`)
     adapter_bytes = sum(t.numel() * t.element_size() for _, t in named)
-    raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, source, rounds, tmp, digests,
-                                                config={"learner": {"lora": lora}}, snapshots=snapshots))
+    raw, by_digest, _ = asyncio.run(mesh_broadcast(model_dir, named, source, rounds, tmp, digests,
+                                                   config={"learner": {"lora": lora}}, snapshots=snapshots))
     facts = {"params": sum(t.numel() for _, t in named), "mib": adapter_bytes / 2**20, "bytes": adapter_bytes,
              "model_bytes": model_bytes, "adapter_fraction": adapter_bytes / model_bytes, "stream_s": stream_s,
              "tensors": len(named)}
@@ -318,6 +287,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
 
+    from bench.engine_reload import EngineReload, engine_reload
     from rlmesh.learner.devtools.tiny_model import write_tiny_model
     from rlmesh.learner.rl.broadcast import WeightSource
     from rlmesh.services.config import TinyModelSection
@@ -346,9 +316,11 @@ def main() -> None:
         tied = tied_output_layer(str(model_dir))
         named = [(n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        raw, by_digest = asyncio.run(mesh_broadcast(model_dir, named, WeightSource.of(named), args.rounds, tmp,
-                                                    digests, snapshots=snapshots, dtype=args.dtype))
-        served = engine_reload(model_dir, args.rounds, args.dtype, SERVED_CORES)
+        with EngineReload(model_dir, args.dtype, SERVED_CORES) as engine:  # resident beside the server
+            raw, by_digest, reloads = asyncio.run(mesh_broadcast(
+                model_dir, named, WeightSource.of(named), args.rounds, tmp, digests, snapshots=snapshots,
+                dtype=args.dtype, reload_round=engine.round))
+            served = {"times": reloads, **engine.info}
         alone = engine_reload(model_dir, args.rounds, args.dtype, "alone")
         facts = {"params": sum(t.numel() for _, t in named), "mib": nbytes / 2**20, "bytes": nbytes, "dtype": args.dtype,
                  "pass_s": pass_costs(nbytes, digests), "engine_reload_s": median(served["times"]),
@@ -371,8 +343,9 @@ def main() -> None:
               + f"; raw rounds {[round(x, 4) for x in r['raw_all_s']]}, updates {[round(x, 4) for x in r['update_all_s']]}")
         if "engine_ratio" in r:
             print(f"{name}: update / (raw broadcast + vLLM's own reload in its engine as the server runs it) "
-                  f"{r['engine_ratio']:.2f} (target <= 1.15); against the reload alone on every core "
-                  f"{r['engine_alone_ratio']:.2f}")
+                  f"{r['engine_ratio']:.2f} (target <= 1.15), paired by round {r['paired_engine_ratio']:.2f}; "
+                  f"against the reload alone on every core {r['engine_alone_ratio']:.2f}")
+        print(f"{name}: loads " + ", ".join(f"{n} x {k}" for k, n in sorted(Counter(r["loads"]).items())))
         size = name.split("/")[0]
         if "engine_reload_s" in r and size not in sizes_shown:  # facts of the size, shared by its rows
             sizes_shown.add(size)

@@ -120,6 +120,8 @@ class VLLMEngine:
         self.paused = False
         self.update_active = False
         self.received: list[str] = []  # each worker's digest of the last update (read as it finished)
+        self.loads: list[str] = []  # how each worker loaded it ("direct", "layerwise"; "" unreported)
+        self._update_started = 0.0
         self.num_generated_tokens = 0
         self._rpc_dir: str | None = None  # vLLM's socket directory, when this server made it
         self.busy = BusyClock()
@@ -222,6 +224,7 @@ class VLLMEngine:
         await self._stop_warm_up()
         self.received = []
         self.update_active = True
+        self._update_started = time.monotonic()
 
     async def update_weights(self, update_info: dict) -> None:
         await self.engine.collective_rpc("rlmesh_start_and_update_weights", kwargs={"update_info": update_info})
@@ -232,7 +235,11 @@ class VLLMEngine:
         return list(self.received)
 
     async def finish_weight_update(self, version: int) -> None:
-        self.received = list(await self.engine.collective_rpc("rlmesh_finish_weight_update"))
+        finished = await self.engine.collective_rpc("rlmesh_finish_weight_update")
+        self.received, self.loads = [f["digest"] for f in finished], [f["reload"] for f in finished]
+        # One line per update: which load ran (the direct one, or vLLM's layerwise reload) and its time.
+        log.info("weights v%d loaded (%s) in %.3fs from the update's start", version,
+                 ", ".join(sorted(set(self.loads))) or "not reported", time.monotonic() - self._update_started)
         await self.engine.update_weight_version(str(version))
         if self.cfg.enable_prefix_caching:
             # Old-weight KV must never serve a new-weight token: drop the cache, and recompute the

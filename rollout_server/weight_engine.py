@@ -320,10 +320,15 @@ class WorkerDigests:
         self.start_weight_update()
         self.update_weights(update_info)
 
-    def rlmesh_finish_weight_update(self) -> str:
-        """vLLM's finish_weight_update; the digest of what this worker received."""
+    def rlmesh_finish_weight_update(self) -> dict[str, str]:
+        """vLLM's finish_weight_update; {"digest": of what this worker received, "reload": how the
+        update loaded ("direct", "layerwise", "adapter": written as the next LoRA version, or "" where
+        the engine does not report it)}."""
         self.finish_weight_update()
-        return self.rlmesh_received_digest()
+        engine = self.weight_transfer_engine
+        served = getattr(engine, "served_check", {})
+        reload = "adapter" if not getattr(engine, "reloads_model", True) else served.get("reload", "")
+        return {"digest": self.rlmesh_received_digest(), "reload": reload}
 
     def rlmesh_received_digest(self) -> str:
         return getattr(self.weight_transfer_engine, "received_digest", "")

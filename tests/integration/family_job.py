@@ -182,7 +182,7 @@ def broadcast(llm, named: list, version: int) -> dict:
     update_error, received = None, None
     try:
         llm.collective_rpc("rlmesh_start_and_update_weights", kwargs={"update_info": receiver.update_info(request)})
-        received = llm.collective_rpc("rlmesh_finish_weight_update")
+        received = [r["digest"] for r in llm.collective_rpc("rlmesh_finish_weight_update")]
     except Exception as err:  # the update failed: what the rollout server would answer UpdateWeights with
         update_error = f"{type(err).__name__}: {err}"
     t.join()

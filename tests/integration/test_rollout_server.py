@@ -106,6 +106,12 @@ async def test_weight_update_in_place_matches_hf_token_for_token(mesh, tiny_mode
 
     assert status.weights_digest_algorithm == mesh["broadcaster"].digest_algorithm == "blake3"
     assert status.weights_digest == weights_digest(named, algorithm="blake3") == mesh["broadcaster"].last_digest
+    # The server says which load ran: on a plain CPU platform (no GPU, no zentorch), the direct load.
+    import importlib.util
+
+    log = (mesh["tmp"] / "rollout.log").read_text(errors="replace")
+    plain_cpu = not torch.cuda.is_available() and importlib.util.find_spec("zentorch") is None
+    assert f"weights v1 loaded ({'direct' if plain_cpu else 'layerwise'}) in " in log, log[-3000:]
 
     for content in ("3+4=", "9+9=", "hello"):
         prompt_ids, (sample,) = await _generate(mesh["stub"], _prompt(1, greedy=True, content=content))
