@@ -120,7 +120,6 @@ class VLLMEngine:
         self.paused = False
         self.update_active = False
         self.received: list[str] = []  # each worker's digest of the last update (read as it finished)
-        self.loads: list[str] = []  # how each worker loaded it ("direct", "layerwise"; "" unreported)
         self._update_started = 0.0
         self.num_generated_tokens = 0
         self._rpc_dir: str | None = None  # vLLM's socket directory, when this server made it
@@ -236,10 +235,11 @@ class VLLMEngine:
 
     async def finish_weight_update(self, version: int) -> None:
         finished = await self.engine.collective_rpc("rlmesh_finish_weight_update")
-        self.received, self.loads = [f["digest"] for f in finished], [f["reload"] for f in finished]
+        self.received = [f["digest"] for f in finished]
         # One line per update: which load ran (the direct one, or vLLM's layerwise reload) and its time.
         log.info("weights v%d loaded (%s) in %.3fs from the update's start", version,
-                 ", ".join(sorted(set(self.loads))) or "not reported", time.monotonic() - self._update_started)
+                 ", ".join(sorted({f["reload"] for f in finished} - {""})) or "not reported",
+                 time.monotonic() - self._update_started)
         await self.engine.update_weight_version(str(version))
         if self.cfg.enable_prefix_caching:
             # Old-weight KV must never serve a new-weight token: drop the cache, and recompute the

@@ -236,12 +236,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def shutdown(self) -> None:
         self._group = None
 
+    @property
+    def last_load(self) -> str:
+        """How the last update loaded: "direct" or "layerwise" ("" before any)."""
+        return self.served_check.get("reload", "")
+
 
 class AdapterWeightTransferEngine(GlooWeightTransferEngine):
     """Receives the adapter like any update (same group, same digest) and writes it as a version
     directory; the base model's weights are never touched, so no layerwise reload."""
 
     reloads_model = False
+    last_load = "adapter"  # written as the next LoRA version
 
     def load_received(self, named: Iterator[tuple[str, torch.Tensor]], update_info: GlooUpdateInfo) -> None:
         tensors = {name: t.clone() for name, t in named}
@@ -325,10 +331,8 @@ class WorkerDigests:
         update loaded ("direct", "layerwise", "adapter": written as the next LoRA version, or "" where
         the engine does not report it)}."""
         self.finish_weight_update()
-        engine = self.weight_transfer_engine
-        served = getattr(engine, "served_check", {})
-        reload = "adapter" if not getattr(engine, "reloads_model", True) else served.get("reload", "")
-        return {"digest": self.rlmesh_received_digest(), "reload": reload}
+        return {"digest": self.rlmesh_received_digest(),
+                "reload": getattr(self.weight_transfer_engine, "last_load", "")}
 
     def rlmesh_received_digest(self) -> str:
         return getattr(self.weight_transfer_engine, "received_digest", "")
